@@ -1,0 +1,97 @@
+"""The attention op the model calls through the forward context.
+
+Per layer: all-gather this rank's K/V across the CP group (one collective for both), write every gathered
+row to its paged-cache slot (padding rows go to the dummy slot), then run the kernel on the local queries.
+Backend paths: ``trtllm_mha`` makes one combined varlen call over the zigzag page table (2R rows);
+``flashattention`` makes two calls (early blocks, then late blocks); ``torch`` is the plain reference call.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from graphcp.attention.torch_ref import HostLengths, torch_paged_attention
+from graphcp.cp.metadata import CPMetadata
+from graphcp.dist.comm import CPComm
+from graphcp.errors import ConfigError
+from graphcp.graph.capture import graph_break
+from graphcp.kv.cache import KVPool
+from graphcp.profiling import nvtx_range
+
+Kernel = Callable[..., torch.Tensor]
+
+
+def resolve_kernel(requested: str, device: torch.device) -> str:
+    """The kernel behind the backend: flashinfer where installed on CUDA, then Triton on CUDA, else torch."""
+    if requested == "flashinfer":
+        raise ConfigError("--attention-kernel flashinfer is not wired in this build; use triton or torch")
+    if requested == "triton":
+        from graphcp.attention.kernels import triton_available
+        if not triton_available(device):
+            raise ConfigError("--attention-kernel triton needs the triton package (and on CPU, TRITON_INTERPRET=1 "
+                              "is set by graphcp); install graphcp[test] or choose --attention-kernel torch")
+        return "triton"
+    if requested == "torch":
+        return "torch"
+    if device.type == "cuda":
+        from graphcp.attention.kernels import triton_available
+        return "triton" if triton_available(device) else "torch"
+    return "torch"
+
+
+def kernel_fn(name: str) -> tuple[Kernel, bool]:
+    """(kernel, capturable): capturable kernels read every length from device buffers."""
+    if name == "triton":
+        from graphcp.attention.kernels.triton_attention import triton_paged_attention
+        return triton_paged_attention, False
+    return torch_paged_attention, False
+
+
+def _attend(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float, max_q: int, max_kv: int,
+            out: torch.Tensor) -> torch.Tensor:
+    with nvtx_range("attention"):
+        return kernel(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale, max_q, max_kv, out)
+
+
+@graph_break
+def _attend_break(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int,
+                  scale: float, host: HostLengths, out: torch.Tensor, split: bool = False) -> torch.Tensor:
+    """Host lengths are read when the break runs, so a replay sees the live batch's maxima."""
+    if not split:
+        return _attend(kernel, q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale,
+                       host.max_q, host.max_kv, out)
+    # flashattention path: early blocks, then late blocks, each its own varlen call.
+    n, r = host.early_rows, page_rows.shape[0] // 2
+    _attend(kernel, q[:n], k_pool, v_pool, cu_seqlens_q[:r + 1], page_rows[:r], q_limits[:n], page_size, scale,
+            host.max_q, host.max_kv, out[:n])
+    _attend(kernel, q[n:], k_pool, v_pool, cu_seqlens_q[r:] - n, page_rows[r:], q_limits[n:], page_size, scale,
+            host.max_q, host.max_kv, out[n:])
+    return out
+
+
+class PagedAttention:
+    """Callable set in the forward context; owns the CP collectives and cache writes of one forward."""
+
+    def __init__(self, pool: KVPool, meta: CPMetadata, comm: CPComm | None, kernel: Kernel, capturable: bool,
+                 host: HostLengths, split_early_late: bool, scale: float) -> None:
+        self.pool, self.meta, self.comm, self.kernel = pool, meta, comm, kernel
+        self.capturable, self.host, self.split, self.scale = capturable, host, split_early_late, scale
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta, pool = self.meta, self.pool
+        if meta.cp_size > 1:
+            local = torch.stack((k, v), dim=1)                                     # [B, 2, Hkv, D]
+            gathered = local.new_empty((meta.cp_size * local.shape[0],) + local.shape[1:])
+            self.comm.all_gather(gathered, local)
+            pool.write(layer_id, meta.gather_slots, gathered[:, 0], gathered[:, 1])
+        else:
+            pool.write(layer_id, meta.gather_slots, k, v)
+        out = torch.empty_like(q)
+        if self.capturable and not self.split:
+            return _attend(self.kernel, q, pool.k[layer_id], pool.v[layer_id], meta.cu_seqlens_q, meta.page_rows,
+                           meta.q_limits, pool.page_size, self.scale, 0, 0, out)
+        return _attend_break(self.kernel, q, pool.k[layer_id], pool.v[layer_id], meta.cu_seqlens_q, meta.page_rows,
+                             meta.q_limits, pool.page_size, self.scale, self.host, out, split=self.split)

@@ -1,0 +1,163 @@
+"""EngineArgs: every engine setting, its SGLang-style flag, and its validation, in one place."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from graphcp.errors import ConfigError
+
+STRATEGIES = ("zigzag", "interleave")
+BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
+KERNELS = ("auto", "flashinfer", "triton", "torch")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    attn_cp_size: int = 1
+    enable_prefill_cp: bool = False
+    cp_strategy: str | None = None
+    attention_backend: str = "auto"
+    attention_kernel: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_buckets: tuple[int, ...] | None = None
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    capture_plan: str | None = None
+    max_batch_requests: int = 8
+    rank_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_buckets is not None:
+            object.__setattr__(self, "cuda_graph_buckets", tuple(int(b) for b in self.cuda_graph_buckets))
+        self._validate()
+
+    # -- validation -------------------------------------------------------------------------
+    def _validate(self) -> None:
+        if not self.model_path:
+            raise ConfigError("--model-path is required: a directory with config.json and *.safetensors")
+        if not os.path.isdir(self.model_path):
+            raise ConfigError(f"--model-path {self.model_path!r} is not a directory")
+        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ConfigError(f"--model-path {self.model_path!r} has no config.json")
+        files = os.listdir(self.model_path)
+        if not any(f.endswith(".safetensors") for f in files):
+            pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+            hint = f" (found {pickled[0]}: pickle checkpoints are never loaded; convert to safetensors)" if pickled else ""
+            raise ConfigError(f"--model-path {self.model_path!r} has no *.safetensors weights{hint}")
+        _choice("--dtype", self.dtype, DTYPES)
+        _choice("--device", self.device, DEVICES)
+        _choice("--attention-backend", self.attention_backend, BACKENDS)
+        _choice("--attention-kernel", self.attention_kernel, KERNELS)
+        if self.cp_strategy is not None:
+            _choice("--cp-strategy", self.cp_strategy, STRATEGIES)
+        for flag, value in (("--tp", self.tp_size), ("--dp", self.dp_size), ("--pp", self.pp_size),
+                            ("--attn-cp-size", self.attn_cp_size), ("--page-size", self.page_size),
+                            ("--max-batch-requests", self.max_batch_requests)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError(f"--max-total-tokens must be >= --page-size ({self.page_size}), got {self.max_total_tokens}")
+        if self.enable_prefill_cp and self.cp_strategy is None:
+            raise ConfigError("--cp-strategy must be set when --enable-prefill-cp is enabled (zigzag | interleave)")
+        if self.attn_cp_size > 1 and not self.enable_prefill_cp:
+            raise ConfigError("--attn-cp-size > 1 needs --enable-prefill-cp (and --cp-strategy)")
+        if self.tp_size % (self.dp_size * self.attn_cp_size):
+            raise ConfigError(f"--tp must be divisible by --dp x --attn-cp-size "
+                              f"(tp={self.tp_size}, dp={self.dp_size}, attn-cp-size={self.attn_cp_size})")
+        if self.tp_size != self.dp_size * self.attn_cp_size or self.pp_size != 1 or self.dp_size != 1:
+            # Attention TP, DP attention and PP are tracked in the composition issue.
+            raise ConfigError("this build supports --tp == --attn-cp-size with --dp 1 and --pp 1 "
+                              "(attention TP, DP attention and PP are not implemented yet); change --tp/--dp/--pp")
+        if self.cuda_graph_buckets is not None:
+            if not self.cuda_graph_buckets or any(b < 1 for b in self.cuda_graph_buckets):
+                raise ConfigError("--cuda-graph-buckets must be positive token counts, e.g. 32 64 128")
+        if self.rank_timeout_s <= 0:
+            raise ConfigError("--rank-timeout must be > 0 seconds")
+        if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
+            raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
+
+    # -- derived ----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def cp_size(self) -> int:
+        return self.attn_cp_size if self.enable_prefill_cp else 1
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if self.cp_size > 1 and self.cp_strategy == "interleave":
+            return "torch"
+        return "trtllm_mha"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # -- CLI --------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
+        add = parser.add_argument
+        add("--model-path", required=require_model, help="HF checkpoint dir (config.json + safetensors)")
+        add("--dtype", default="auto", choices=DTYPES)
+        add("--device", default="auto", choices=DEVICES)
+        add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
+        add("--dp", "--dp-size", dest="dp_size", type=int, default=1)
+        add("--pp", "--pp-size", dest="pp_size", type=int, default=1)
+        add("--attn-cp-size", type=int, default=1)
+        add("--enable-prefill-cp", action="store_true")
+        add("--cp-strategy", default=None, help="zigzag | interleave")
+        add("--attention-backend", default="auto", help="auto | trtllm_mha | flashattention | torch")
+        add("--attention-kernel", default="auto", help="auto | flashinfer | triton | torch")
+        add("--disable-cuda-graph", action="store_true")
+        add("--cuda-graph-buckets", type=int, nargs="+", default=None,
+            help="CP-local padded token counts to capture, e.g. 32 64 128")
+        add("--page-size", type=int, default=16)
+        add("--max-total-tokens", type=int, default=None)
+        add("--capture-plan", default=None)
+        add("--max-batch-requests", type=int, default=8, help="static request capacity of the graphs")
+        add("--rank-timeout", dest="rank_timeout_s", type=float, default=60.0,
+            help="seconds before a silent rank makes prefill fail")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str]) -> "EngineArgs":
+        parser = _RaisingParser(prog="graphcp")
+        cls.add_cli_args(parser)
+        return cls.from_namespace(parser.parse_args(list(argv)))
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse exits the process on bad flags; a library must raise instead."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"bad flags: {message}")
+
+
+def _choice(flag: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(choices)}")

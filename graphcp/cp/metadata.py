@@ -1,0 +1,108 @@
+"""Per-forward CP metadata, computed with tensor ops only so that it can run inside a captured graph.
+
+Inputs are the raw batch descriptors (new lengths, cached-prefix lengths, page-table rows); padding
+requests have length 0. Outputs are indexed by this rank's local token rows (capacity ``local_cap``) and
+by the rows of the all-gathered K/V buffer (``cp_size * local_cap``, rank-major, as the collective lays
+them out). No host syncs, no data-dependent shapes, no constants copied from the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.kv.cache import DUMMY_SLOT
+
+
+@dataclass
+class CPMetadata:
+    cp_size: int
+    local_cap: int
+    token_index: torch.Tensor    # [local_cap] flat index into the batch's new tokens (0 on padding rows)
+    positions: torch.Tensor      # [local_cap] original positions (0 on padding rows)
+    valid: torch.Tensor          # [local_cap] 1 for real tokens, 0 for padding rows
+    gather_slots: torch.Tensor   # [cp_size * local_cap] KV slot of each all-gathered row (dummy for padding)
+    cu_seqlens_q: torch.Tensor   # [S + 1] attention sequences over the local rows
+    q_lens: torch.Tensor         # [S]
+    kv_lens: torch.Tensor        # [S]
+    page_rows: torch.Tensor      # [S, P] page-table row of each sequence
+    q_limits: torch.Tensor       # [local_cap] keys each local query may see (bottom-right causal)
+    logit_rows: torch.Tensor     # [R] local row of each request's last token
+    logit_owner: torch.Tensor    # [R] 1 where this rank holds that row
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
+
+
+def _slots(page_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    pages = page_table[req, torch.div(pos, page_size, rounding_mode="floor")]
+    return pages * page_size + torch.remainder(pos, page_size)
+
+
+def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                    cp_size: int, rank: int, local_cap: int, page_size: int) -> CPMetadata:
+    """Zigzag: each request split in 2C blocks (early blocks take the remainder); rank r owns blocks
+    r and 2C-1-r. Local order: every request's early block, then every request's late block."""
+    dev, C, R = extend_lens.device, cp_size, extend_lens.shape[0]
+    nblk = 2 * C
+    blk_id = torch.arange(nblk, device=dev)
+    blk = extend_lens[:, None] // nblk + (blk_id[None, :] < (extend_lens % nblk)[:, None]).long()   # [R, 2C]
+    blk_end = torch.cumsum(blk, 1)
+    blk_start = blk_end - blk
+    ranks = torch.arange(C, device=dev)
+    early, late = ranks, nblk - 1 - ranks
+    # Sequences per rank: R early blocks then R late blocks -> [2R, C]
+    seq_q = torch.cat([blk[:, early], blk[:, late]], 0)
+    seq_start = torch.cat([blk_start[:, early], blk_start[:, late]], 0)
+    seq_kv = torch.cat([blk_end[:, early], blk_end[:, late]], 0) + prefix_lens.repeat(2)[:, None]
+    seq_req = torch.arange(R, device=dev).repeat(2)
+    cu = torch.cat([torch.zeros(1, C, dtype=seq_q.dtype, device=dev), torch.cumsum(seq_q, 0)], 0).t().contiguous()
+    rows = torch.arange(local_cap, device=dev).expand(C, local_cap).contiguous()       # [C, B]
+    seq = torch.searchsorted(cu[:, 1:].contiguous(), rows, right=True).clamp(max=2 * R - 1)
+    valid = (rows < cu[:, -1:]).long()
+    offset = rows - cu.gather(1, seq)
+    req = seq_req[seq]
+    new_idx = (seq_start.t().gather(1, seq) + offset) * valid                          # index among new tokens
+    position = prefix_lens[req] * valid + new_idx
+    slot = _slots(page_table, req, position, page_size) * valid + DUMMY_SLOT * (1 - valid)
+    token_index = (_exclusive_cumsum(extend_lens)[req] + new_idx) * valid
+    my_q, my_kv = seq_q[:, rank], seq_kv[:, rank]
+    my_seq, my_off = seq[rank], offset[rank]
+    q_limits = (my_kv[my_seq] - my_q[my_seq] + my_off + 1) * valid[rank]
+    cu_r = cu[rank]
+    last_late = cu_r[R + 1:] - 1
+    last_early = cu_r[1:R + 1] - 1
+    logit_rows = torch.where(blk[:, nblk - 1] > 0, last_late, last_early).clamp(min=0)
+    owner = (extend_lens > 0).long() if rank == 0 else torch.zeros_like(extend_lens)
+    return CPMetadata(
+        cp_size=C, local_cap=local_cap, token_index=token_index[rank], positions=position[rank],
+        valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
+        page_rows=page_table.repeat(2, 1), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner)
+
+
+def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                        cp_size: int, rank: int, local_cap: int, page_size: int) -> CPMetadata:
+    """Interleave: flattened new-token index t goes to rank t % C, across request boundaries. Local
+    tokens of one request are contiguous, so each request is one attention sequence whose queries
+    carry their own causal limits."""
+    dev, C, R = extend_lens.device, cp_size, extend_lens.shape[0]
+    cu_ext = torch.cat([torch.zeros(1, dtype=extend_lens.dtype, device=dev), torch.cumsum(extend_lens, 0)])
+    total = cu_ext[-1:]
+    ranks = torch.arange(C, device=dev)[:, None]
+    flat = ranks + torch.arange(local_cap, device=dev)[None, :] * C                     # [C, B]
+    valid = (flat < total).long()
+    req = torch.searchsorted(cu_ext[1:].contiguous(), flat.contiguous(), right=True).clamp(max=R - 1)
+    new_idx = (flat - cu_ext[req]) * valid
+    position = prefix_lens[req] * valid + new_idx
+    slot = _slots(page_table, req, position, page_size) * valid + DUMMY_SLOT * (1 - valid)
+    # Local rows of request q on this rank: flat indices in [cu_ext[q], cu_ext[q+1]) congruent to rank.
+    cu_q = torch.div(cu_ext - rank + C - 1, C, rounding_mode="floor").clamp(min=0)
+    q_lens = cu_q[1:] - cu_q[:-1]
+    last = cu_ext[1:] - 1
+    owner = ((torch.remainder(last, C) == rank) & (extend_lens > 0)).long()
+    return CPMetadata(
+        cp_size=C, local_cap=local_cap, token_index=flat[rank] * valid[rank], positions=position[rank],
+        valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_q, q_lens=q_lens,
+        kv_lens=prefix_lens + extend_lens, page_rows=page_table, q_limits=(position[rank] + 1) * valid[rank],
+        logit_rows=torch.div(last, C, rounding_mode="floor").clamp(min=0) * owner, logit_owner=owner)

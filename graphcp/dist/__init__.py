@@ -1,0 +1,1 @@
+"""Distributed runtime: topology (rank map) and the collectives the forward uses."""

@@ -1,0 +1,43 @@
+"""Collectives of the forward. gloo cannot live inside a CUDA graph, so there they are graph breaks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from graphcp.graph.capture import graph_break
+from graphcp.profiling import nvtx_range
+
+
+class CPComm:
+    """The attention CP group of one rank: the padded K/V all-gather and the last-token reduction."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        self.capturable = group is not None and dist.get_backend(group) == "nccl"
+        self.num_all_gathers = 0
+        self.num_all_reduces = 0
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """out [size * n, ...] <- every rank's inp [n, ...], rank-major."""
+        return (_all_gather if self.capturable else _all_gather_break)(self, out, inp)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return (_all_reduce if self.capturable else _all_reduce_break)(self, t)
+
+
+def _all_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    with nvtx_range("all_gather_kv"):
+        comm.num_all_gathers += 1
+        dist.all_gather_into_tensor(out, inp.contiguous(), group=comm.group)
+    return out
+
+
+def _all_reduce(comm: CPComm, t: torch.Tensor) -> torch.Tensor:
+    with nvtx_range("all_reduce"):
+        comm.num_all_reduces += 1
+        dist.all_reduce(t, group=comm.group)
+    return t
+
+
+_all_gather_break = graph_break(_all_gather)
+_all_reduce_break = graph_break(_all_reduce)

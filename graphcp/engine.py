@@ -1,0 +1,199 @@
+"""Engine: the serving loop's handle. Starts (or, under torchrun, joins) the ranks and sends them batches."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from graphcp.batch import PrefillOutput, Request
+from graphcp.config import EngineArgs
+from graphcp.errors import ConfigError, EngineDeadError, RequestError
+
+log = logging.getLogger("graphcp")
+
+
+class Engine:
+    """``with Engine(args) as engine: engine.prefill([...])``. One process per rank; rank 0 answers."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self._runner = None
+        self._workers: list[tuple[mp.Process, Any]] = []
+        self._dead: str | None = None
+        self._spmd = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        if not log.handlers and not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        if self._spmd:
+            self._join_torchrun()
+        elif args.world_size == 1:
+            from graphcp.runner import ModelRunner
+            self._runner = ModelRunner(args, capture_progress=True)
+            self._start_stats = self._runner.stats()
+        else:
+            self._spawn()
+        if self._start_stats.get("eager_reason"):
+            log.info("graphcp: prefill runs eagerly: %s", self._start_stats["eager_reason"])
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _join_torchrun(self) -> None:
+        from graphcp.runner import ModelRunner
+        from graphcp.worker import init_group, rank_device
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if world != self.args.world_size:
+            raise ConfigError(f"torchrun started {world} processes but --tp x --pp is {self.args.world_size}; "
+                              f"change --nproc-per-node or --tp")
+        if not dist.is_initialized():
+            init_group(self.args, rank, world, "env://")
+        self._rank = rank
+        self._runner = ModelRunner(self.args, rank, dist.group.WORLD, rank_device(self.args, rank),
+                                   capture_progress=rank == 0)
+        self._start_stats = self._runner.stats()
+
+    def _spawn(self) -> None:
+        from graphcp.worker import worker_main
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(self.args.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(rank, self.args.world_size, self.args, init, child,
+                                                         os.getpid()), daemon=True, name=f"graphcp-rank{rank}")
+            proc.start()
+            child.close()
+            self._workers.append((proc, parent))
+        try:
+            replies = self._collect(timeout=max(600.0, self.args.rank_timeout_s))
+        except BaseException:
+            self.close()
+            raise
+        self._start_stats = replies[0]
+
+    # -- commands --------------------------------------------------------------------------------
+    def _collect(self, timeout: float) -> list[Any]:
+        """One reply per rank; a dead or silent rank makes the engine unusable and shuts it down."""
+        deadline = time.monotonic() + timeout
+        replies: list[Any] = [None] * len(self._workers)
+        pending = set(range(len(self._workers)))
+        errors: list[tuple[str, str]] = []
+        while pending:
+            for rank in sorted(pending):
+                proc, conn = self._workers[rank]
+                if conn.poll(0.05):
+                    try:
+                        kind, payload = conn.recv()
+                    except EOFError:
+                        kind, payload = "dead", f"rank {rank} closed its pipe"
+                    pending.discard(rank)
+                    if kind in ("ok", "ready"):
+                        replies[rank] = payload
+                    else:
+                        errors.append((kind, payload))
+                elif not proc.is_alive():
+                    pending.discard(rank)
+                    errors.append(("dead", f"rank {rank} exited with code {proc.exitcode}"))
+            if pending and time.monotonic() > deadline:
+                errors.append(("dead", f"ranks {sorted(pending)} did not answer within {timeout:.0f} s"))
+                break
+            if any(k == "dead" for k, _ in errors):
+                break
+        if errors:
+            kinds = {k for k, _ in errors}
+            if kinds == {"request_error"}:
+                raise RequestError(errors[0][1])
+            if kinds == {"config_error"}:
+                self.close()
+                raise ConfigError(errors[0][1])
+            self._dead = "; ".join(p.splitlines()[0] for _, p in errors)
+            self.close()
+            raise EngineDeadError(f"graphcp engine is unusable and was shut down: {self._dead}\n{errors[0][1]}")
+        return replies
+
+    def _call(self, cmd: str, payload: Any = None, timeout: float | None = None) -> Any:
+        if self._dead:
+            raise EngineDeadError(f"graphcp engine is unusable: {self._dead}")
+        if self._runner is not None:
+            return self._local(cmd, payload)
+        if not self._workers:
+            raise EngineDeadError("graphcp engine is closed")
+        for _, conn in self._workers:
+            conn.send((cmd, payload))
+        return self._collect(timeout or self.args.rank_timeout_s)[0]
+
+    def _local(self, cmd: str, payload: Any) -> Any:
+        runner = self._runner
+        if cmd == "prefill":
+            requests, count_ops = payload
+            out = runner.prefill(requests, count_host_ops=count_ops)
+            if self._spmd and self.args.world_size > 1:
+                box = [out]
+                dist.broadcast_object_list(box, src=0)     # every torchrun rank returns rank 0's logits
+                out = box[0]
+            return out
+        if cmd == "kv_cache":
+            return runner.kv_cache(payload)
+        if cmd == "release":
+            return runner.release(payload)
+        if cmd == "stats":
+            return runner.stats()
+        if cmd == "counters":
+            comm = runner.comm
+            return {"all_gathers": comm.num_all_gathers if comm else 0,
+                    "all_reduces": comm.num_all_reduces if comm else 0}
+        raise ValueError(cmd)
+
+    # -- public API ------------------------------------------------------------------------------
+    def prefill(self, batch: Sequence[Request], count_host_ops: bool = False) -> PrefillOutput:
+        return self._call("prefill", (list(batch) if isinstance(batch, (list, tuple)) else batch, count_host_ops))
+
+    def kv_cache(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._call("kv_cache", rid)
+
+    def release(self, rid: str) -> None:
+        self._call("release", rid)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def collective_counts(self) -> dict:
+        """Collectives rank 0 has issued so far (all-gathers of K/V, last-token all-reduces)."""
+        return self._call("counters")
+
+    def close(self) -> None:
+        for proc, conn in self._workers:
+            try:
+                if proc.is_alive():
+                    conn.send(("stop", None))
+            except (OSError, BrokenPipeError):
+                pass
+        for proc, conn in self._workers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+        self._workers = []
+        self._runner = None if not self._spmd else self._runner
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_workers", None):
+            self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

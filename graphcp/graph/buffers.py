@@ -1,0 +1,45 @@
+"""Batch descriptors packed in one int64 tensor: one host-to-device copy per forward.
+
+The graph's static inputs are exactly these raw descriptors; everything else (block sizes, cu_seqlens,
+zigzag page table, KV slots, restore indices, positions) is computed from them inside the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Descriptors:
+    packed: torch.Tensor
+    extend_lens: torch.Tensor    # [req_cap]   new tokens per request (0 for padding requests)
+    prefix_lens: torch.Tensor    # [req_cap]   cached tokens per request
+    page_table: torch.Tensor     # [req_cap, pages_cap] page ids (0 = the reserved dummy page)
+    input_ids: torch.Tensor      # [ids_cap]   the batch's new tokens, flattened in request order
+
+    @classmethod
+    def allocate(cls, req_cap: int, pages_cap: int, ids_cap: int, device: torch.device | str = "cpu",
+                 pin: bool = False) -> "Descriptors":
+        packed = torch.zeros(2 * req_cap + req_cap * pages_cap + ids_cap, dtype=torch.long, device=device,
+                             pin_memory=pin)
+        a, b, c = req_cap, 2 * req_cap, 2 * req_cap + req_cap * pages_cap
+        return cls(packed, packed[:a], packed[a:b], packed[b:c].view(req_cap, pages_cap), packed[c:])
+
+    def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
+             ids: list[torch.Tensor]) -> None:
+        """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests)."""
+        self.packed.zero_()
+        n = len(extend_lens)
+        self.extend_lens[:n] = torch.tensor(extend_lens)
+        self.prefix_lens[:n] = torch.tensor(prefix_lens)
+        for i, row in enumerate(page_rows):
+            self.page_table[i, :len(row)] = torch.tensor(row)
+        flat = torch.cat(ids)
+        self.input_ids[:flat.numel()] = flat
+
+    def to(self, device: torch.device) -> "Descriptors":
+        req_cap, pages_cap = self.page_table.shape
+        out = Descriptors.allocate(req_cap, pages_cap, self.input_ids.numel(), device)
+        out.packed.copy_(self.packed, non_blocking=True)
+        return out

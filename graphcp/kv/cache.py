@@ -1,0 +1,30 @@
+"""The KV pool: per layer, K and V as [slots, kv_heads, head_dim] with slot = page * page_size + offset.
+
+Page 0 is reserved: its first slot is the dummy slot that padding rows write to, so padded graph
+replays never touch a real cache entry.
+"""
+from __future__ import annotations
+
+import torch
+
+DUMMY_SLOT = 0
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,103 @@
+"""ModelConfig: the fields graphcp reads from an HF config.json, checked before any allocation."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from graphcp.errors import ConfigError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Bounds that stop a hostile config from allocating absurd memory before weights are read.
+LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
+          "num_attention_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 22}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str                  # llama | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def read_model_config(model_path: str) -> ModelConfig:
+    path = os.path.join(model_path, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--model-path: cannot read {path}: {e}") from e
+    archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
+    arch = archs[0] if archs else ""
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"--model-path: architecture {arch or raw.get('model_type')!r} is not supported "
+                          f"(supported: {', '.join(ARCHITECTURES)})")
+    family = ARCHITECTURES[arch]
+
+    def need(key: str) -> int:
+        if key not in raw or not isinstance(raw[key], int) or raw[key] < 1:
+            raise ConfigError(f"--model-path: config.json field {key!r} must be a positive integer, got {raw.get(key)!r}")
+        if key in LIMITS and raw[key] > LIMITS[key]:
+            raise ConfigError(f"--model-path: config.json {key}={raw[key]} exceeds the limit {LIMITS[key]}")
+        return raw[key]
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ConfigError(f"--model-path: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
+    head_dim = raw.get("head_dim") or hidden // heads
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
+        raise ConfigError(f"--model-path: head_dim={head_dim!r} must be an even positive integer")
+    rope = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
+    scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    cfg = ModelConfig(
+        architecture=arch, family=family, vocab_size=need("vocab_size"), hidden_size=hidden,
+        intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+    )
+    params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
+    params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
+    if params > 2 * 10**12:
+        raise ConfigError(f"--model-path: config.json describes {params / 1e9:.0f}B parameters, beyond any machine")
+    return cfg

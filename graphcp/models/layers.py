@@ -1,0 +1,83 @@
+"""Small layers shared by the llama family: RMSNorm, rotary embedding, gated MLP."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from graphcp.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, then back to the input dtype before the weight, as the HF reference does.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling.get("factor", 1.0))
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are divided by factor, short ones kept, the band between blended.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by position: a gather, so positions can live in a static graph buffer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def build(self, device: torch.device) -> None:
+        # Built on the CPU after loading (the module itself may be constructed on the meta device).
+        with torch.device("cpu"):
+            pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+            freqs = pos[:, None] * rope_inv_freq(self.config)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

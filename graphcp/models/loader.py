@@ -1,0 +1,82 @@
+"""Load an HF checkpoint (config.json + safetensors, sharded or not) into a CausalLM. Never unpickles."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from graphcp.errors import ConfigError
+from graphcp.models.config import ModelConfig, read_model_config
+from graphcp.models.llama import CausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _weight_files(model_path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index when present."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = {name: os.path.join(model_path, fn) for name, fn in weight_map.items()}
+        missing = sorted({p for p in files.values() if not os.path.isfile(p)})
+        if missing:
+            raise ConfigError(f"--model-path: shard {os.path.basename(missing[0])} named in the index is missing")
+        return files
+    files = {}
+    for fn in sorted(os.listdir(model_path)):
+        if fn.endswith(".safetensors"):
+            path = os.path.join(model_path, fn)
+            with safe_open(path, framework="pt") as f:
+                files.update({name: path for name in f.keys()})
+    return files
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    cfg = read_model_config(model_path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    files = _weight_files(model_path)
+    _check_names_and_shapes(cfg, expected, files)
+    model = model.to_empty(device=device).to(dtype)
+    params = model.state_dict()
+    by_file: dict[str, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                        raise ConfigError(f"--model-path: tensor {name} holds NaN or Inf values")
+                    params[name].copy_(tensor)
+    model.rotary.build(device)
+    model.eval()
+    return model
+
+
+def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files: dict[str, str]) -> None:
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+    unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unexpected:
+        raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
+                          f"e.g. {unexpected[0]!r}")
+    handles: dict[str, object] = {}
+    try:
+        for name, shape in expected.items():
+            path = files[name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt").__enter__()
+            got = tuple(handles[path].get_slice(name).get_shape())
+            if got != shape:
+                raise ConfigError(f"--model-path: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)

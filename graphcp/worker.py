@@ -1,0 +1,95 @@
+"""One rank's process: join the group, build the ModelRunner, then serve commands from the engine."""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from graphcp.config import EngineArgs
+from graphcp.errors import ConfigError, RequestError
+
+
+def rank_device(args: EngineArgs, rank: int) -> torch.device:
+    if args.resolved_device() == "cuda":
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def process_group_backend(args: EngineArgs) -> str:
+    """NCCL when every rank has its own GPU; gloo on CPU or when ranks share one GPU."""
+    if args.resolved_device() == "cuda" and torch.cuda.device_count() >= args.world_size:
+        return "nccl"
+    return "gloo"
+
+
+def init_group(args: EngineArgs, rank: int, world: int, init_method: str) -> None:
+    device = rank_device(args, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(args), init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.rank_timeout_s))
+
+
+def worker_main(rank: int, world: int, args: EngineArgs, init_method: str, conn: Connection, parent_pid: int) -> None:
+    from graphcp.runner import ModelRunner
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        init_group(args, rank, world, init_method)
+        runner = ModelRunner(args, rank, dist.group.WORLD, rank_device(args, rank), capture_progress=rank == 0)
+    except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(("config_error", str(e)) if isinstance(e, ConfigError) else ("error", _describe(e)))
+        return
+    conn.send(("ready", runner.stats()))
+    try:
+        _serve(runner, rank, conn, parent_pid)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noqa: ANN001
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent_pid:      # the engine died: do not linger as an orphan
+                return
+            continue
+        try:
+            cmd, payload = conn.recv()
+        except EOFError:
+            return
+        if cmd == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            if cmd == "prefill":
+                requests, count_ops = payload
+                out = runner.prefill(requests, count_host_ops=count_ops)
+                result = out if rank == 0 else None
+            elif cmd == "kv_cache":
+                result = runner.kv_cache(payload) if rank == 0 else None
+            elif cmd == "release":
+                runner.release(payload)
+                result = None
+            elif cmd == "stats":
+                result = runner.stats() if rank == 0 else None
+            elif cmd == "counters":
+                comm = runner.comm
+                result = {"all_gathers": comm.num_all_gathers if comm else 0,
+                          "all_reduces": comm.num_all_reduces if comm else 0}
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", result))
+        except RequestError as e:
+            conn.send(("request_error", str(e)))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", _describe(e)))
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e)[-6:])}"
