@@ -105,11 +105,7 @@ class EngineArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_backend(self) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        if self.cp_size > 1 and self.cp_strategy == "interleave":
-            return "torch"
-        return "trtllm_mha"
+        return "trtllm_mha" if self.attention_backend == "auto" else self.attention_backend
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Listener
 from typing import Any, Sequence
 
 import torch
@@ -18,13 +21,39 @@ from graphcp.errors import ConfigError, EngineDeadError, RequestError
 log = logging.getLogger("graphcp")
 
 
+class _Proc:
+    """The bits of a worker process the engine needs, over subprocess.Popen."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
 class Engine:
     """``with Engine(args) as engine: engine.prefill([...])``. One process per rank; rank 0 answers."""
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self._runner = None
-        self._workers: list[tuple[mp.Process, Any]] = []
+        self._workers: list[tuple[_Proc, Any]] = []
         self._dead: str | None = None
         self._spmd = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         if not log.handlers and not logging.getLogger().handlers:
@@ -56,16 +85,30 @@ class Engine:
         self._start_stats = self._runner.stats()
 
     def _spawn(self) -> None:
-        from graphcp.worker import worker_main
-        ctx = mp.get_context("spawn")
+        """One fresh interpreter per rank (``python -m graphcp.worker``), so the caller's script is never
+        re-imported; each connects back over an authenticated local socket."""
+        world = self.args.world_size
+        authkey = bytes(multiprocessing.current_process().authkey)
         init = f"tcp://127.0.0.1:{_free_port()}"
-        for rank in range(self.args.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, self.args.world_size, self.args, init, child,
-                                                         os.getpid()), daemon=True, name=f"graphcp-rank{rank}")
-            proc.start()
-            child.close()
-            self._workers.append((proc, parent))
+        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+            host, port = listener.address
+            env = {**os.environ, "GRAPHCP_AUTHKEY": authkey.hex()}
+            procs = [subprocess.Popen([sys.executable, "-m", "graphcp.worker", host, str(port), str(rank)], env=env)
+                     for rank in range(world)]
+            conns: dict[int, Any] = {}
+            listener._listener._socket.settimeout(120.0)  # a rank that cannot start must not hang us
+            try:
+                while len(conns) < world:
+                    conn = listener.accept()
+                    _, rank = conn.recv()
+                    conns[rank] = conn
+            except (OSError, EOFError) as e:
+                for p in procs:
+                    p.kill()
+                raise EngineDeadError(f"graphcp ranks failed to start: {e}") from e
+        self._workers = [(_Proc(procs[r]), conns[r]) for r in range(world)]
+        for rank, (_, conn) in enumerate(self._workers):
+            conn.send(("init", (world, self.args, init, os.getpid())))
         try:
             replies = self._collect(timeout=max(600.0, self.args.rank_timeout_s))
         except BaseException:

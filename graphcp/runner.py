@@ -78,10 +78,9 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         if self.graph_reason is None:
             self._capture(capture_progress)
-        elif rank == 0:
-            log.info("graphcp: prefill runs eagerly: %s", self.graph_reason)
 
     # -- graphs ----------------------------------------------------------------------------------
+    @torch.inference_mode()
     def _capture(self, progress: bool) -> None:
         args = self.args
         if args.capture_plan:
@@ -164,13 +163,14 @@ class ModelRunner:
                         f"{r.tokens}: {r.error}" for r in self.graphs.records.values())[:300]
         return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason)
 
+    @torch.inference_mode()
     def prefill(self, requests: list[Request], count_host_ops: bool = False) -> PrefillOutput:
         plan = self.plan(requests)
         added = self.pages.allocate(plan.rids, plan.extend_lens)
         try:
             with nvtx_range("prefill"):
                 logits, host_ops = self._run(plan, count_host_ops)
-            logits = logits.float().cpu()
+            logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
         except BaseException:
             self.pages.rollback(plan.rids, added)
             raise
@@ -199,6 +199,7 @@ class ModelRunner:
             logits = self.forward(desc, strategy, local_cap)
         return logits[:n], counter.count
 
+    @torch.inference_mode()
     def kv_cache(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from graphcp.errors import RequestError
         state = self.pages.requests.get(rid)

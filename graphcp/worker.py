@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import sys
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -91,5 +93,23 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             conn.send(("error", _describe(e)))
 
 
+def main() -> None:
+    """Entry of a rank process started by the Engine: ``python -m graphcp.worker HOST PORT RANK``."""
+    from multiprocessing.connection import Client
+    host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    authkey = bytes.fromhex(os.environ.pop("GRAPHCP_AUTHKEY"))
+    # torch shares tensors between processes through multiprocessing's resource sharer, which
+    # authenticates with the process authkey: use the engine's.
+    multiprocessing.current_process().authkey = authkey
+    conn = Client((host, port), authkey=authkey)
+    conn.send(("hello", rank))
+    _, (world, args, init_method, parent_pid) = conn.recv()
+    worker_main(rank, world, args, init_method, conn, parent_pid)
+
+
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e)[-6:])}"
+
+
+if __name__ == "__main__":
+    main()

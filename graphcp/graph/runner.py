@@ -32,8 +32,6 @@ def config_ineligibility(args: "EngineArgs", backend: str) -> str | None:
     """The one eligibility predicate for configurations (SPEC section 5); None means graphs are used."""
     if args.disable_cuda_graph:
         return "graphs disabled by --disable-cuda-graph"
-    if backend != "trtllm_mha":
-        return f"--attention-backend {backend} runs eagerly (graphs need trtllm_mha)"
     if args.pp_size > 1:
         return "pp_size > 1"
     if args.dp_size > 1:
@@ -42,6 +40,8 @@ def config_ineligibility(args: "EngineArgs", backend: str) -> str | None:
         return "attn_cp_size != tp_size"
     if args.cp_size > 1 and args.cp_strategy != "zigzag":
         return f"--cp-strategy {args.cp_strategy} runs eagerly (graphs need zigzag)"
+    if backend != "trtllm_mha":
+        return f"--attention-backend {backend} runs eagerly (graphs need trtllm_mha)"
     return None
 
 

@@ -55,6 +55,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> Cau
                         raise ConfigError(f"--model-path: tensor {name} holds NaN or Inf values")
                     params[name].copy_(tensor)
     model.rotary.build(device)
+    model.requires_grad_(False)
     model.eval()
     return model
 
