@@ -170,8 +170,8 @@ class Engine:
     def _local(self, cmd: str, payload: Any) -> Any:
         runner = self._runner
         if cmd == "prefill":
-            requests, count_ops = payload
-            out = runner.prefill(requests, count_host_ops=count_ops)
+            requests, count_ops, force_eager = payload
+            out = runner.prefill(requests, count_host_ops=count_ops, force_eager=force_eager)
             if self._spmd and self.args.world_size > 1:
                 box = [out]
                 dist.broadcast_object_list(box, src=0)     # every torchrun rank returns rank 0's logits
@@ -190,8 +190,11 @@ class Engine:
         raise ValueError(cmd)
 
     # -- public API ------------------------------------------------------------------------------
-    def prefill(self, batch: Sequence[Request], count_host_ops: bool = False) -> PrefillOutput:
-        return self._call("prefill", (list(batch) if isinstance(batch, (list, tuple)) else batch, count_host_ops))
+    def prefill(self, batch: Sequence[Request], count_host_ops: bool = False, force_eager: bool = False) -> PrefillOutput:
+        """Prefill a batch. ``force_eager`` skips the graphs for this batch (benchmarks compare both);
+        ``count_host_ops`` fills ``PrefillOutput.host_ops`` with the ops launched outside captured segments."""
+        batch = list(batch) if isinstance(batch, (list, tuple)) else batch
+        return self._call("prefill", (batch, count_host_ops, force_eager))
 
     def kv_cache(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._call("kv_cache", rid)

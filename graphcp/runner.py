@@ -58,7 +58,7 @@ class ModelRunner:
         self.model_config = cfg = read_model_config(args.model_path)
         self.backend = args.resolved_backend()
         self.kernel_name = resolve_kernel(args.attention_kernel, self.device)
-        self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name)
+        self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name, self.device)
         if self.kernel_name == "triton" and cfg.head_dim not in (64, 128):
             self.kernel, self.kernel_capturable = kernel_fn("torch")   # the Triton kernel covers head_dim 64, 128
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
@@ -138,7 +138,7 @@ class ModelRunner:
         self.host.max_kv = max(p + n for p, n in zip(prefix_lens, extend_lens))
 
     # -- serving ---------------------------------------------------------------------------------
-    def plan(self, requests: list[Request]) -> _Plan:
+    def plan(self, requests: list[Request], force_eager: bool = False) -> _Plan:
         rids, ids = validate_requests(requests, self.model_config.vocab_size)
         ext = [t.numel() for t in ids]
         self.pages.check(rids, ext)
@@ -149,6 +149,8 @@ class ModelRunner:
         # Unsharded, every rank holds the whole batch.
         counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.args.cp_size
         bucket, reason = None, self.graph_reason
+        if reason is None and force_eager:
+            reason = "eager forced by the caller (force_eager=True)"
         if reason is None:
             if self.args.cp_size > 1 and not cp_applied:
                 reason = f"zigzag needs every request to have >= {2 * self.args.cp_size} new tokens"
@@ -164,8 +166,8 @@ class ModelRunner:
         return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason)
 
     @torch.inference_mode()
-    def prefill(self, requests: list[Request], count_host_ops: bool = False) -> PrefillOutput:
-        plan = self.plan(requests)
+    def prefill(self, requests: list[Request], count_host_ops: bool = False, force_eager: bool = False) -> PrefillOutput:
+        plan = self.plan(requests, force_eager)
         added = self.pages.allocate(plan.rids, plan.extend_lens)
         try:
             with nvtx_range("prefill"):

@@ -70,8 +70,8 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             return
         try:
             if cmd == "prefill":
-                requests, count_ops = payload
-                out = runner.prefill(requests, count_host_ops=count_ops)
+                requests, count_ops, force_eager = payload
+                out = runner.prefill(requests, count_host_ops=count_ops, force_eager=force_eager)
                 result = out if rank == 0 else None
             elif cmd == "kv_cache":
                 result = runner.kv_cache(payload) if rank == 0 else None

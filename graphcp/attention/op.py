@@ -40,11 +40,12 @@ def resolve_kernel(requested: str, device: torch.device) -> str:
     return "torch"
 
 
-def kernel_fn(name: str) -> tuple[Kernel, bool]:
-    """(kernel, capturable): capturable kernels read every length from device buffers."""
+def kernel_fn(name: str, device: torch.device | None = None) -> tuple[Kernel, bool]:
+    """(kernel, capturable): capturable kernels read every length from device buffers. The Triton kernel is
+    capturable on CUDA; on CPU it runs in Triton's interpreter (numpy, not aten ops), so it stays a break."""
     if name == "triton":
         from graphcp.attention.kernels.triton_attention import triton_paged_attention
-        return triton_paged_attention, False
+        return triton_paged_attention, device is not None and torch.device(device).type == "cuda"
     return torch_paged_attention, False
 
 

@@ -28,7 +28,7 @@ class CPComm:
 def _all_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     with nvtx_range("all_gather_kv"):
         comm.num_all_gathers += 1
-        dist.all_gather_into_tensor(out, inp.contiguous(), group=comm.group)
+        _gather_into(out, inp.contiguous(), group=comm.group)
     return out
 
 
@@ -40,4 +40,6 @@ def _all_reduce(comm: CPComm, t: torch.Tensor) -> torch.Tensor:
 
 
 _all_gather_break = graph_break(_all_gather)
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics); older torch lacks it.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _all_reduce_break = graph_break(_all_reduce)

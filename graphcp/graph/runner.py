@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("graphcp")
 
-DEFAULT_BUCKETS = {"cpu": (16, 32, 64, 128, 256, 512),
-                   "cuda": (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
+DEFAULT_BUCKETS = {"cpu": (8, 16, 32, 64, 128, 256, 512),
+                   "cuda": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
 
 
 def config_ineligibility(args: "EngineArgs", backend: str) -> str | None:

@@ -5,9 +5,22 @@ replays never touch a real cache entry.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 DUMMY_SLOT = 0
+
+
+def _triton_kv_write():
+    """The Triton scatter kernel where triton is importable (CUDA pools only), else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        from graphcp.attention.kernels.triton_kv_write import triton_kv_write
+    except ImportError:
+        return None
+    return triton_kv_write
 
 
 class KVPool:
@@ -17,8 +30,12 @@ class KVPool:
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._triton_write = _triton_kv_write() if self.k.device.type == "cuda" else None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._triton_write is not None:
+            self._triton_write(self.k[layer], self.v[layer], slots, k, v)
+            return
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 

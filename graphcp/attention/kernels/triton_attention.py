@@ -1,0 +1,158 @@
+"""Paged variable-length attention in Triton, with the contract of ``torch_paged_attention``.
+
+Capturable design: the launch grid depends on tensor *shapes* only (the local token count T and the
+number of sequences S), never on the batch's values. Every query tile belongs to exactly one sequence:
+sequence s is cut into ceil(q_len_s / BLOCK_M) tiles and the rows past ``cu_seqlens_q[-1]`` (padding) into
+ceil(pad / BLOCK_M) zero-filling tiles. Summed over the S + 1 segments that is at most T // BLOCK_M + S + 1
+tiles, which is the grid's first axis; surplus programs exit without work. A program finds its segment
+from a prefix sum over ``cu_seqlens_q`` computed in the kernel, and bounds its key loop by the largest
+``q_limits`` among its rows (key blocks past every row's limit are skipped).
+
+Grid axis 1 is the query head; GQA maps query head h to kv head h // (Hq // Hkv).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, KP, VP, CU, PR, LIM, O,
+    stride_qt, stride_qh, stride_qd,
+    stride_ks, stride_kh, stride_kd,
+    stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_pr, stride_pp,
+    T, S, P, qk_scale,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    # --- which segment (sequence, or the padding tail) this tile belongs to -------------------------
+    s_idx = tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int64)
+    ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int64)
+    tiles = tl.where(s_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, 0)                                    # inclusive tile counts per sequence
+    seq = tl.sum((cum <= pid).to(tl.int32), 0)                   # first s with cum[s] > pid (S: none)
+    total_q = tl.load(CU + S).to(tl.int64)                       # cu_seqlens_q[-1]
+    total_tiles = tl.sum(tiles, 0)
+
+    d = tl.arange(0, HEAD_DIM)
+    m_off = tl.arange(0, BLOCK_M)
+    if seq < S:
+        sel = s_idx == seq
+        q_start = tl.sum(tl.where(sel, starts, 0), 0)
+        q_end = tl.sum(tl.where(sel, ends, 0), 0)
+        tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
+        rows = q_start + tile * BLOCK_M + m_off
+        row_ok = rows < q_end
+        lim = tl.load(LIM + rows, mask=row_ok, other=0).to(tl.int64)
+        lim = tl.where(row_ok, lim, 0)
+        hi = tl.minimum(tl.max(lim, 0), P * PAGE_SIZE)
+
+        q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                    mask=row_ok[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        pr_row = PR + seq.to(tl.int64) * stride_pr
+        n_off = tl.arange(0, BLOCK_N)
+        for start in range(0, hi, BLOCK_N):
+            kpos = start + n_off
+            k_ok = kpos < hi
+            page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + (kpos % PAGE_SIZE)
+            kt = tl.load(KP + slot[None, :] * stride_ks + kv_head * stride_kh + d[:, None] * stride_kd,
+                         mask=k_ok[None, :], other=0.0)                              # [D, BLOCK_N]
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+            qk = tl.dot(q, kt, input_precision=PREC) * qk_scale                      # log2 domain
+            visible = kpos[None, :] < lim[:, None]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VP + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd,
+                        mask=k_ok[:, None], other=0.0)                               # [BLOCK_N, D]
+            p = p.to(v.dtype)                    # P@V in the cache dtype, as flash kernels do
+            if DOT_F32:
+                p, v = p.to(tl.float32), v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(O + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile do nothing.
+        rows = total_q + (pid - total_tiles) * BLOCK_M + m_off
+        row_ok = (rows < T) & (rows >= total_q)
+        zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        tl.store(O + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+                 zero.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _blocks(device: torch.device, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if device.type != "cuda":
+        return 16, 16, 1, 1            # interpreter: small tiles keep numpy work low on short sequences
+    return (64, 64, 4, 2) if head_dim == 128 else (64, 64, 4, 3)
+
+
+def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
+                           max_q: int, max_kv: int, out: torch.Tensor, *, block_m: int | None = None,
+                           block_n: int | None = None) -> torch.Tensor:
+    """Same contract as ``torch_paged_attention``. ``max_q``/``max_kv`` are accepted for the shared signature
+    but never needed: every length is read from device memory, so 0 ("unknown on the host") is fine and
+    the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >= 16) override the tiling."""
+    T, Hq, D = q.shape
+    Hkv = k_pool.shape[1]
+    assert D in (64, 128), f"triton_paged_attention supports head_dim 64 and 128, got {D}"
+    assert k_pool.shape[-1] == D and v_pool.shape[-1] == D and k_pool.shape[1] == v_pool.shape[1]
+    assert Hq % Hkv == 0, f"query heads {Hq} not a multiple of kv heads {Hkv}"
+    assert page_size >= 1 and page_size & (page_size - 1) == 0, f"page_size must be a power of two, got {page_size}"
+    assert out.shape == q.shape
+    S, P = page_rows.shape
+    assert cu_seqlens_q.shape[0] == S + 1
+    if T == 0:
+        return out
+    bm, bn, warps, stages = _blocks(q.device, D)
+    bm, bn = block_m or bm, block_n or bn
+    assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0
+    if S == 0:
+        return out.zero_()
+    block_s = max(16, triton.next_power_of_2(S))
+    # Triton's interpreter multiplies bf16 operands as raw integers, so there the dots run in fp32 on
+    # bf16-rounded operands (same rounding points as the GPU's bf16 dots). fp32 stays exact (no tf32).
+    dot_f32 = q.device.type != "cuda" and q.dtype == torch.bfloat16
+    prec = "ieee" if q.dtype == torch.float32 or dot_f32 else None
+    grid = (T // bm + S + 1, Hq)
+    _paged_attn_kernel[grid](
+        q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        page_rows.stride(0), page_rows.stride(1),
+        T, S, P, float(scale) * _LOG2E,
+        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s, PREC=prec,
+        DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+__all__ = ["triton_paged_attention"]

@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random checkpoints built by transformers, the HF oracle, and engines reused
+across tests (multi-rank engines are slow to start on two cores)."""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from graphcp import Engine, EngineArgs  # noqa: E402
+from hf_reference import HFReference, make_checkpoint  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(ckpt_dir):
+    """The suite's main checkpoint: Qwen3 (q/k norm, head_dim independent of hidden size)."""
+    return make_checkpoint(str(ckpt_dir / "qwen3"), "qwen3")
+
+
+class _Oracle:
+    def __init__(self) -> None:
+        self.models: dict[str, HFReference] = {}
+        self.cache: dict[tuple, tuple] = {}
+
+    def __call__(self, path: str, ids: list[int]):
+        key = (path, tuple(ids))
+        if key not in self.cache:
+            if path not in self.models:
+                self.models[path] = HFReference(path)
+            self.cache[key] = self.models[path].run(list(ids))
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    return _Oracle()
+
+
+class _Engines:
+    """Engines keyed by their arguments, reused by every test; at most a few multi-rank ones alive."""
+
+    def __init__(self, max_multi: int = 3) -> None:
+        self.engines: dict[tuple, Engine] = {}
+        self.max_multi = max_multi
+
+    def get(self, model_path: str, **kwargs) -> Engine:
+        kwargs.setdefault("max_total_tokens", 8192)
+        key = (model_path,) + tuple(sorted(kwargs.items()))
+        if key in self.engines:
+            self.engines[key] = self.engines.pop(key)   # most recently used last
+            return self.engines[key]
+        multi = [k for k, e in self.engines.items() if e.args.world_size > 1]
+        if EngineArgs(model_path=model_path, **kwargs).world_size > 1 and len(multi) >= self.max_multi:
+            self.engines.pop(multi[0]).close()
+        engine = Engine(EngineArgs(model_path=model_path, **kwargs))
+        self.engines[key] = engine
+        return engine
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+
+
+@pytest.fixture(scope="session")
+def engines():
+    pool = _Engines()
+    yield pool
+    pool.close()
+
+
+def cp_kwargs(cp: int, strategy: str = "zigzag", **extra) -> dict:
+    if cp == 1:
+        return dict(extra)
+    return dict(tp_size=cp, attn_cp_size=cp, enable_prefill_cp=True, cp_strategy=strategy, **extra)

@@ -1,0 +1,82 @@
+"""build_layout: the worked examples of SPEC section 3, and the layout rules on thousands of random batches."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcp.cp import build_layout
+
+
+def test_zigzag_one_request_cp4():
+    owned = [build_layout("zigzag", 4, r, [16]).local_indices for r in range(4)]
+    assert owned == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+
+
+def test_zigzag_two_requests_with_prefix():
+    layout = build_layout("zigzag", 4, 2, [9, 10], [2, 3])
+    assert layout.local_indices == [3, 13, 6, 16]
+    assert layout.per_rank_tokens == [6, 5, 4, 4]
+    assert layout.kv_lens_early == [6, 8]
+    assert layout.kv_lens_late == [9, 11]
+    assert layout.q_lens_early == [1, 1] and layout.q_lens_late == [1, 1]
+
+
+def test_interleave_example():
+    r0 = build_layout("interleave", 4, 0, [5, 3])
+    r1 = build_layout("interleave", 4, 1, [5, 3])
+    assert r0.local_indices == [0, 4] and r0.kv_lens == [1, 5] and r0.requests == [0, 0]
+    assert r1.local_indices == [1, 5] and r1.requests == [0, 1] and r1.kv_lens == [2, 1]
+
+
+def _zigzag_blocks(n: int, c: int) -> list[int]:
+    base, rem = divmod(n, 2 * c)
+    return [base + (b < rem) for b in range(2 * c)]
+
+
+batches = st.integers(1, 4).flatmap(lambda c: st.tuples(
+    st.just(c),
+    st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40)), min_size=1, max_size=6)))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(batches)
+def test_zigzag_rules(batch):
+    c, reqs = batch
+    ext, pre = [e for e, _ in reqs], [p for _, p in reqs]
+    starts = [sum(ext[:q]) for q in range(len(ext))]
+    owned = []
+    for r in range(c):
+        lay = build_layout("zigzag", c, r, ext, pre)
+        expected_early, expected_late = [], []
+        for q, n in enumerate(ext):
+            blk = _zigzag_blocks(n, c)
+            b0, b1 = sum(blk[:r]), sum(blk[:2 * c - 1 - r])
+            expected_early += [starts[q] + i for i in range(b0, b0 + blk[r])]
+            expected_late += [starts[q] + i for i in range(b1, b1 + blk[2 * c - 1 - r])]
+            assert lay.q_lens_early[q] == blk[r] and lay.q_lens_late[q] == blk[2 * c - 1 - r]
+            assert lay.kv_lens_early[q] == pre[q] + sum(blk[:r + 1])
+            assert lay.kv_lens_late[q] == pre[q] + sum(blk[:2 * c - r])
+        assert lay.local_indices == expected_early + expected_late     # early blocks first, request order
+        assert lay.per_rank_tokens[r] == len(lay.local_indices)
+        owned += lay.local_indices
+    assert sorted(owned) == list(range(sum(ext)))                         # every token owned exactly once
+
+
+@settings(max_examples=1500, deadline=None)
+@given(batches)
+def test_interleave_rules(batch):
+    c, reqs = batch
+    ext, pre = [e for e, _ in reqs], [p for _, p in reqs]
+    total = sum(ext)
+    req_of = [q for q, n in enumerate(ext) for _ in range(n)]
+    pos_of = [i for n in ext for i in range(n)]
+    owned = []
+    for r in range(c):
+        lay = build_layout("interleave", c, r, ext, pre)
+        assert lay.local_indices == list(range(r, total, c))
+        assert lay.requests == [req_of[t] for t in lay.local_indices]
+        assert lay.kv_lens == [pre[req_of[t]] + pos_of[t] + 1 for t in lay.local_indices]
+        base, extra = divmod(total, c)
+        assert lay.per_rank_tokens[r] == base + (r < extra) == len(lay.local_indices)
+        owned += lay.local_indices
+    assert sorted(owned) == list(range(total))
