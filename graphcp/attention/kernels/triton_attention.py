@@ -39,12 +39,12 @@ def _paged_attn_kernel(
     # --- which segment (sequence, or the padding tail) this tile belongs to -------------------------
     s_idx = tl.arange(0, BLOCK_S)
     s_ok = s_idx < S
-    starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int64)
-    ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int64)
+    starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int32)
+    ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int32)
     tiles = tl.where(s_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, 0)                                    # inclusive tile counts per sequence
     seq = tl.sum((cum <= pid).to(tl.int32), 0)                   # first s with cum[s] > pid (S: none)
-    total_q = tl.load(CU + S).to(tl.int64)                       # cu_seqlens_q[-1]
+    total_q = tl.load(CU + S).to(tl.int32)                       # cu_seqlens_q[-1]
     total_tiles = tl.sum(tiles, 0)
 
     d = tl.arange(0, HEAD_DIM)
@@ -54,9 +54,9 @@ def _paged_attn_kernel(
         q_start = tl.sum(tl.where(sel, starts, 0), 0)
         q_end = tl.sum(tl.where(sel, ends, 0), 0)
         tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
-        rows = q_start + tile * BLOCK_M + m_off
+        rows = (q_start + tile * BLOCK_M + m_off).to(tl.int64)      # int64: row * stride may pass 2**31
         row_ok = rows < q_end
-        lim = tl.load(LIM + rows, mask=row_ok, other=0).to(tl.int64)
+        lim = tl.load(LIM + rows, mask=row_ok, other=0).to(tl.int32)
         lim = tl.where(row_ok, lim, 0)
         hi = tl.minimum(tl.max(lim, 0), P * PAGE_SIZE)
 
@@ -98,11 +98,11 @@ def _paged_attn_kernel(
                  o.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
         # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile do nothing.
-        rows = total_q + (pid - total_tiles) * BLOCK_M + m_off
-        row_ok = (rows < T) & (rows >= total_q)
+        pad_rows = (total_q + (pid - total_tiles) * BLOCK_M + m_off).to(tl.int64)
+        pad_ok = (pad_rows < T) & (pad_rows >= total_q)
         zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        tl.store(O + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-                 zero.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(O + pad_rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+                 zero.to(O.dtype.element_ty), mask=pad_ok[:, None])
 
 
 def _blocks(device: torch.device, head_dim: int) -> tuple[int, int, int, int]:

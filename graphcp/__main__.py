@@ -1,0 +1,5 @@
+import sys
+
+from graphcp.cli import main
+
+sys.exit(main())
