@@ -105,10 +105,12 @@ def _paged_attn_kernel(
                  zero.to(O.dtype.element_ty), mask=pad_ok[:, None])
 
 
-def _blocks(device: torch.device, head_dim: int) -> tuple[int, int, int, int]:
+def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     if device.type != "cuda":
         return 16, 16, 1, 1            # interpreter: small tiles keep numpy work low on short sequences
+    if dtype == torch.float32:
+        return 64, 32, 4, 2            # fp32 tiles are twice the bytes: keep shared memory under ~64 KiB
     return (64, 64, 4, 2) if head_dim == 128 else (64, 64, 4, 3)
 
 
@@ -130,7 +132,7 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     assert cu_seqlens_q.shape[0] == S + 1
     if T == 0:
         return out
-    bm, bn, warps, stages = _blocks(q.device, D)
+    bm, bn, warps, stages = _blocks(q.device, D, q.dtype)
     bm, bn = block_m or bm, block_n or bn
     assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0
     if S == 0:
