@@ -159,10 +159,8 @@ class ModelRunner:
                          f"(--max-batch-requests)"
             else:
                 real = max(counts)
-                bucket, reason = select_bucket(self.graphs.buckets, real, -(-real // strategy.align) * strategy.align)
-                if bucket is None and not self.graphs.buckets:
-                    reason = "no bucket was captured: " + "; ".join(
-                        f"{r.tokens}: {r.error}" for r in self.graphs.records.values())[:300]
+                bucket, reason = select_bucket(self.graphs.buckets, real, -(-real // strategy.align) * strategy.align,
+                                               self.graphs.failures)
         return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason)
 
     @torch.inference_mode()
@@ -224,8 +222,7 @@ class ModelRunner:
                 "graph_buckets": self.graphs.buckets if self.graphs else [],
                 "world_size": self.args.world_size, "attention_backend": self.backend,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
-                "capture_failures": {b: r.error for b, r in self.graphs.records.items() if r.error}
-                if self.graphs else {}}
+                "capture_failures": self.graphs.failures if self.graphs else {}}
 
 
 class _NullCounter:

@@ -57,7 +57,7 @@ class _Engines:
 
     def get(self, model_path: str, **kwargs) -> Engine:
         kwargs.setdefault("max_total_tokens", 8192)
-        key = (model_path,) + tuple(sorted(kwargs.items()))
+        key = (model_path,) + tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items()))
         if key in self.engines:
             self.engines[key] = self.engines.pop(key)   # most recently used last
             return self.engines[key]

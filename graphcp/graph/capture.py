@@ -131,6 +131,22 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, capture: "CpuCapture") -> None:
         super().__init__()
         self.capture = capture
+        self._saved: dict[str, Any] = {}
+
+    # .tolist() and .numpy() read CPU memory without dispatching an op: guard them while recording.
+    _HOST_READS = ("tolist", "numpy")
+
+    def __enter__(self) -> "_Recorder":
+        for name in self._HOST_READS:
+            self._saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, _host_read_error(name))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._saved.items():
+            setattr(torch.Tensor, name, fn)
+        self._saved.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -150,6 +166,13 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.capture.record(func, args, kwargs, out)
         return out
+
+
+def _host_read_error(name: str) -> Callable:
+    def refuse(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise GraphCaptureError(f".{name}() syncs with the host inside a captured segment at {_caller()}; "
+                                f"move it out of the segment or mark a graph_break")
+    return refuse
 
 
 class _CpuSegment:

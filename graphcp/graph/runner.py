@@ -45,11 +45,16 @@ def config_ineligibility(args: "EngineArgs", backend: str) -> str | None:
     return None
 
 
-def select_bucket(buckets: list[int], real_max: int, needed: int) -> tuple[int | None, str | None]:
-    """Smallest captured bucket holding ``needed`` rows, unless padding would exceed 2x the real count."""
-    fitting = [b for b in sorted(buckets) if b >= needed]
+def select_bucket(buckets: list[int], real_max: int, needed: int,
+                  failed: dict[int, str] | None = None) -> tuple[int | None, str | None]:
+    """Smallest bucket holding ``needed`` rows, unless padding would exceed 2x the real count or that
+    bucket failed to capture (it then serves eagerly). Returns (bucket, None) or (None, reason)."""
+    failed = failed or {}
+    fitting = [b for b in sorted(set(buckets) | set(failed)) if b >= needed]
     if not fitting:
         return None, f"no captured bucket holds {needed} tokens per rank (largest: {max(buckets, default=0)})"
+    if fitting[0] in failed:
+        return None, f"bucket {fitting[0]} failed to capture: {failed[fitting[0]]}"
     if fitting[0] > 2 * real_max:
         return None, f"bucket {fitting[0]} would pad {real_max} tokens per rank beyond 2x"
     return fitting[0], None
@@ -84,6 +89,10 @@ class GraphRunner:
     @property
     def buckets(self) -> list[int]:
         return sorted(self.graphs)
+
+    @property
+    def failures(self) -> dict[int, str]:
+        return {b: r.error for b, r in self.records.items() if r.error}
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_all(self, buckets: list[int], progress: bool = False) -> list[BucketRecord]:
@@ -141,20 +150,22 @@ class GraphRunner:
     def _load_dummy(self, bucket: int, seed: int) -> None:
         """A random batch that fills ``bucket``; its pages are all the dummy page, so no real KV is touched."""
         rng = random.Random(seed)
-        cp, align = self.strategy.cp_size, self.strategy.align
+        cp, align, ctx = self.strategy.cp_size, self.strategy.align, self.max_context
         min_len = 2 * cp if cp > 1 else 1
-        n_req = rng.randint(1, max(1, min(self.req_cap, bucket * cp // (2 * min_len))))
-        hi = max(n_req * min_len, bucket * cp)
-        while True:
+        n_min = max(1, -(-(bucket * cp // 2) // ctx))
+        n_req = rng.randint(n_min, max(n_min, min(self.req_cap, bucket * cp // (2 * min_len))))
+        hi = min(max(n_req * min_len, bucket * cp), n_req * ctx)
+        for _ in range(1000):
             target = rng.randint(min(hi, max(n_req * min_len, bucket * cp // 2)), hi)
             extra = target - n_req * min_len
             cuts = sorted(rng.randint(0, extra) for _ in range(n_req - 1))
             ext = [min_len + b - a for a, b in zip([0] + cuts, cuts + [extra])]
-            if -(-max(self.strategy.per_rank_tokens(ext)) // align) * align <= bucket:
+            if max(ext) <= ctx and -(-max(self.strategy.per_rank_tokens(ext)) // align) * align <= bucket:
                 break
             hi = max(n_req * min_len, target - 1)
-            if hi == n_req * min_len and n_req > 1:
-                n_req -= 1
+        else:
+            raise GraphCaptureError(f"bucket {bucket}: no batch of <= {self.req_cap} requests within the "
+                                    f"context limit {ctx} fills it")
         prefix = [rng.randint(0, min(64, self.max_context - e)) for e in ext]
         ids = [torch.randint(0, self.vocab_size, (e,), generator=torch.Generator().manual_seed(seed)) for e in ext]
         self.staging.fill(ext, prefix, [[] for _ in ext], ids)

@@ -1,0 +1,35 @@
+# Every target sets itself up from a clean clone: its own virtualenv, a CPU torch where there is no GPU.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.graphcp-installed
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup demo test bench profile gpu-check clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine.
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m graphcp demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m graphcp bench
+
+profile: $(STAMP)
+	$(PY) -m graphcp profile
+
+gpu-check: $(STAMP)
+	$(PY) profiles/gpu_check.py --out profiles/out
+
+clean:
+	rm -rf $(VENV) profiles/out .pytest_cache
