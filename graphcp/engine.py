@@ -92,7 +92,10 @@ class Engine:
         init = f"tcp://127.0.0.1:{_free_port()}"
         with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
             host, port = listener.address
-            env = {**os.environ, "GRAPHCP_AUTHKEY": authkey.hex()}
+            # The ranks import graphcp from where this process did, installed or not.
+            src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, "GRAPHCP_AUTHKEY": authkey.hex(), "PYTHONPATH": path}
             procs = [subprocess.Popen([sys.executable, "-m", "graphcp.worker", host, str(port), str(rank)], env=env)
                      for rank in range(world)]
             conns: dict[int, Any] = {}
