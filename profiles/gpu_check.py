@@ -1,0 +1,650 @@
+#!/usr/bin/env python
+"""The one-call GPU check: everything graphcp claims on a GPU, measured in one run on one H200.
+
+    python profiles/gpu_check.py --out profiles/out          # on the GPU machine: < 8 minutes, no downloads
+    python profiles/gpu_check.py --dry-run --out /tmp/gc     # on CPU: tiny shapes, CUDA parts skipped (CI)
+
+Parts (each guarded: a failure is recorded as FAILED and the rest still runs):
+  a. graphcp's Triton kernels (paged varlen attention, KV write) against the torch reference, bf16, up to 32k
+     tokens: causal single sequences, and varlen batches with cached prefixes and padding rows.
+  b. Triton attention TFLOP/s at 8k and 32k causal (CUDA events, median), with torch SDPA (flash) alongside.
+  c. A ~1B random Llama checkpoint (made locally): graph replay vs eager logits and prefill latency at
+     1x256, 8x128, 1x2048, 1x8192; HF transformers (sdpa) on the same weights and shapes.
+  d. CP=2 zigzag as two processes sharing the GPU (gloo), graph mode, against the CP=1 logits.
+
+Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` and prints the tables. Exit code 1 when a part
+failed or a correctness check is out of tolerance; performance aims are reported (met / not met) only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Dense BF16 tensor-core peak assumed for the H200 (SXM; same GH100 tensor cores as H100 SXM), no sparsity.
+PEAK_BF16_TFLOPS = 989.0
+GPU_BUDGET_S = 450.0          # stop starting new work before 7.5 minutes
+DRY_BUDGET_S = 80.0
+TRITON_MODULE = "graphcp.attention.kernels.triton_attention"
+KV_WRITE_MODULE = "graphcp.attention.kernels.triton_kv_write"
+
+
+class SkipPart(Exception):
+    """A part that cannot run here for an expected reason (recorded as skipped, not FAILED)."""
+
+
+class Report:
+    """Results of every part, the time budget, and the markdown/JSON writers."""
+
+    def __init__(self, dry_run: bool, budget_s: float) -> None:
+        self.t0 = time.monotonic()
+        self.dry_run, self.budget_s = dry_run, budget_s
+        self.parts: dict[str, dict] = {}
+        self.checks: list[dict] = []       # correctness: value vs tolerance
+        self.kernel_perf: list[dict] = []
+        self.timings: list[dict] = []      # prefill latency per shape
+        self.cp: list[dict] = []
+        self.aims: list[dict] = []
+        self.info: dict = {}
+        self.current: str | None = None    # the part running now (the watchdog marks it if it hangs)
+        self.current_t0 = self.t0
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def run_part(self, key: str, title: str, fn, *, needs_cuda: bool, min_left_s: float) -> None:  # noqa: ANN001
+        print(f"\n== part {key}: {title}", flush=True)
+        if (needs_cuda and self.dry_run) or (not self.dry_run and not _cuda()):
+            note = "skipped: no CUDA" + (" (dry run)" if self.dry_run else "; on a CPU machine use --dry-run")
+            print(f"   {note}")
+            self.parts[key] = {"title": title, "status": "skipped", "note": note, "seconds": 0.0}
+            return
+        if self.left() < min_left_s:
+            note = f"skipped: time budget ({self.left():.0f} s left, part needs ~{min_left_s:.0f} s)"
+            print(f"   {note}")
+            self.parts[key] = {"title": title, "status": "skipped", "note": note, "seconds": 0.0}
+            return
+        t = time.monotonic()
+        self.parts[key] = {"title": title, "status": "running", "note": "", "seconds": 0.0}
+        self.current, self.current_t0 = key, t
+        try:
+            note = fn(self) or ""
+            status = "ok"
+        except SkipPart as e:
+            status, note = "skipped", f"skipped: {e}"
+        except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
+            status, note = "FAILED", f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            traceback.print_exc()
+        finally:
+            if _cuda():
+                import torch
+                torch.cuda.empty_cache()
+        secs = time.monotonic() - t
+        self.current = None
+        self.parts[key] = {"title": title, "status": status, "note": note, "seconds": round(secs, 1)}
+        print(f"   part {key}: {status} in {secs:.1f} s {('- ' + note) if note else ''}", flush=True)
+
+    def check(self, part: str, name: str, metric: str, value: float, tol: float, **extra) -> None:
+        ok = value <= tol
+        self.checks.append({"part": part, "check": name, "metric": metric, "value": value, "tolerance": tol,
+                            "ok": ok, **extra})
+        print(f"   {'ok  ' if ok else 'FAIL'} {name}: {metric} {value:.3e} (tol {tol:.0e})"
+              + "".join(f" {k}={v}" for k, v in extra.items()), flush=True)
+
+    def aim(self, name: str, measured: float | None, target: float, unit: str, higher_is_better: bool = True) -> None:
+        if measured is None:
+            status = "n/a"
+        elif self.dry_run:
+            status = "n/a (dry run)"
+        else:
+            status = "met" if (measured >= target if higher_is_better else measured <= target) else "not met"
+        self.aims.append({"aim": name, "measured": measured, "target": target, "unit": unit, "status": status})
+
+    @property
+    def failed(self) -> bool:
+        return any(p["status"] == "FAILED" for p in self.parts.values()) or any(not c["ok"] for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {"dry_run": self.dry_run, "budget_s": self.budget_s, "elapsed_s": round(self.elapsed(), 1),
+                "peak_bf16_tflops_assumed": PEAK_BF16_TFLOPS, "info": self.info, "parts": self.parts,
+                "checks": self.checks, "kernel_perf": self.kernel_perf, "timings": self.timings, "cp": self.cp,
+                "aims": self.aims, "failed": self.failed}
+
+    def markdown(self) -> str:
+        i = self.info
+        out = ["# graphcp GPU check", "",
+               f"- device: {i.get('device')}; torch {i.get('torch')}; triton {i.get('triton')}; "
+               f"transformers {i.get('transformers')}",
+               f"- {'DRY RUN (CPU, tiny shapes; CUDA parts skipped)' if self.dry_run else 'full run'}; "
+               f"elapsed {self.elapsed():.0f} s of a {self.budget_s:.0f} s budget; "
+               f"bf16 peak assumed {PEAK_BF16_TFLOPS:.0f} TFLOP/s (H200 SXM dense)", "",
+               "## Parts", "", "| part | what | status | s | note |", "|---|---|---|---:|---|"]
+        for key, p in self.parts.items():
+            out.append(f"| {key} | {p['title']} | {p['status']} | {p['seconds']} | {_md(p['note'])} |")
+        out += ["", "## Correctness", "", "| part | check | metric | value | tolerance | result | detail |",
+                "|---|---|---|---:|---:|---|---|"]
+        for c in self.checks:
+            extra = ", ".join(f"{k}={v}" for k, v in c.items()
+                              if k not in ("part", "check", "metric", "value", "tolerance", "ok"))
+            out.append(f"| {c['part']} | {c['check']} | {c['metric']} | {c['value']:.3e} | {c['tolerance']:.0e} | "
+                       f"{'ok' if c['ok'] else 'FAILED'} | {_md(extra)} |")
+        if self.kernel_perf:
+            out += ["", "## Attention kernel throughput (causal, single sequence, bf16)", "",
+                    "| shape | triton ms | triton TFLOP/s | % of peak | torch SDPA flash ms | SDPA TFLOP/s |",
+                    "|---|---:|---:|---:|---:|---:|"]
+            for k in self.kernel_perf:
+                out.append(f"| {k['shape']} | {k['triton_ms']:.3f} | {k['triton_tflops']:.1f} | "
+                           f"{k['pct_peak']:.1f} | {_fmt(k.get('sdpa_ms'), '.3f')} | "
+                           f"{_fmt(k.get('sdpa_tflops'), '.1f')} |")
+        out += ["", "## Prefill latency (median ms; engine.prefill wall time incl. logits to host)", "",
+                "| shape | graphcp eager | graphcp graph | HF transformers | graph speedup (eager/graph) | "
+                "graphcp eager vs HF (HF/eager) | graph mode, bucket |", "|---|---:|---:|---:|---:|---:|---|"]
+        for t in self.timings:
+            out.append(f"| {t['shape']} | {_fmt(t.get('eager_ms'), '.2f')} | {_fmt(t.get('graph_ms'), '.2f')} | "
+                       f"{_fmt(t.get('hf_ms'), '.2f')} | {_fmt(t.get('graph_speedup'), '.2f', 'x')} | "
+                       f"{_fmt(t.get('eager_vs_hf'), '.2f', 'x')} | {t.get('mode')}, {t.get('bucket')} |")
+        if self.cp:
+            out += ["", "## CP=2 zigzag (two rank processes sharing one device) vs CP=1", "",
+                    "| shape | mode | bucket | per-rank tokens | max rel err vs CP=1 | eager ms | graph ms |",
+                    "|---|---|---:|---|---:|---:|---:|"]
+            for c in self.cp:
+                out.append(f"| {c['shape']} | {c['mode']} | {c['bucket']} | {c['per_rank_tokens']} | "
+                           f"{c['rel_err']:.2e} | {_fmt(c.get('eager_ms'), '.2f')} | "
+                           f"{_fmt(c.get('graph_ms'), '.2f')} |")
+        out += ["", "## Aims", "", "| aim | measured | target | status |", "|---|---:|---:|---|"]
+        for a in self.aims:
+            out.append(f"| {a['aim']} | {_fmt(a['measured'], '.2f', a['unit'])} | {a['target']:g}{a['unit']} | "
+                       f"{a['status']} |")
+        out += ["", f"**Overall: {'FAILED' if self.failed else 'passed'}** (parts and correctness; aims are "
+                "reported, not enforced)", ""]
+        return "\n".join(out)
+
+
+def _md(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt(v, spec: str, unit: str = "") -> str:  # noqa: ANN001
+    return "-" if v is None else f"{format(v, spec)}{unit}"
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _triton_ready() -> str | None:
+    """None when graphcp's Triton kernels can run here, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    for mod in (TRITON_MODULE, KV_WRITE_MODULE):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} does not exist in this build"
+    return None
+
+
+# -- part a: Triton kernels vs the torch reference --------------------------------------------------
+def _paged_case(q_lens: list[int], prefixes: list[int], hq: int, hkv: int, d: int, page_size: int, pad: int,
+                dtype, device: str, seed: int):  # noqa: ANN001
+    """Random paged pools, shuffled page tables (page 0 stays the dummy page), queries and row limits."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    kv_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    pages_per_row = max(-(-kv // page_size) for kv in kv_lens)
+    num_pages = 1 + len(q_lens) * pages_per_row + 2
+    ids = torch.randperm(num_pages - 1, generator=gen)[: len(q_lens) * pages_per_row] + 1
+    page_rows = ids.view(len(q_lens), pages_per_row)
+    shape = (num_pages * page_size, hkv, d)
+    k_pool = torch.randn(shape, generator=gen).to(dtype)
+    v_pool = torch.randn(shape, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int64)
+    limits = torch.cat([torch.arange(n, dtype=torch.int64) + p + 1 for p, n in zip(prefixes, q_lens)]
+                       + [torch.zeros(pad, dtype=torch.int64)])
+    q = torch.randn(int(cu[-1]) + pad, hq, d, generator=gen).to(dtype)
+    dev = torch.device(device)
+    return [t.to(dev) for t in (q, k_pool, v_pool, cu, page_rows, limits)]
+
+
+def reference_attention(q, k_pool, v_pool, cu, page_rows, limits, page_size: int, scale: float,  # noqa: ANN001
+                        max_bytes: int = 3 << 30):
+    """torch_paged_attention in fp32, per sequence and in query chunks so 32k x 32k never materializes."""
+    import torch
+
+    from graphcp.attention.torch_ref import torch_paged_attention
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qf, kf, vf = q.float(), k_pool.float(), v_pool.float()
+    bounds = cu.tolist()
+    hq = q.shape[1]
+    for s in range(len(bounds) - 1):
+        a, b = bounds[s], bounds[s + 1]
+        if b == a:
+            continue
+        kv = int(limits[b - 1])
+        rows = max(1, min(b - a, max_bytes // (4 * 4 * hq * max(kv, 1))))
+        for c in range(a, b, rows):
+            e = min(b, c + rows)
+            lim = limits[c:e]
+            sub_cu = torch.tensor([0, e - c], dtype=cu.dtype, device=cu.device)
+            torch_paged_attention(qf[c:e], kf, vf, sub_cu, page_rows[s:s + 1], lim, page_size, scale, e - c,
+                                  int(lim.max()), out[c:e])
+    return out
+
+
+def part_a(rep: Report) -> str:
+    import torch
+    why = _triton_ready()
+    if why:
+        if rep.dry_run:
+            raise SkipPart(why)
+        raise RuntimeError(f"cannot test the Triton kernels: {why}")
+    from graphcp.attention.kernels.triton_attention import triton_paged_attention
+    from graphcp.attention.kernels.triton_kv_write import triton_kv_write
+    device = "cpu" if rep.dry_run else "cuda"
+    bf16 = torch.bfloat16
+    if rep.dry_run:   # Triton's interpreter: tiny shapes
+        cases = [("causal 1x40 h4/2 d64 p16 fp32", [40], [0], 4, 2, 64, 16, 0, torch.float32, 1e-5),
+                 ("causal 1x40 h4/2 d64 p16 bf16", [40], [0], 4, 2, 64, 16, 0, bf16, 2e-2),
+                 ("varlen [7,20,1]+prefix [0,5,33] h4/2 d64 p1 bf16", [7, 20, 1], [0, 5, 33], 4, 2, 64, 1, 3, bf16,
+                  2e-2)]
+    else:
+        cases = [("causal 1x1024 h32/8 d128 p16", [1024], [0], 32, 8, 128, 16, 0, bf16, 2e-2),
+                 ("causal 1x8192 h32/4 d64 p16", [8192], [0], 32, 4, 64, 16, 0, bf16, 2e-2),
+                 ("causal 1x32768 h32/8 d128 p16", [32768], [0], 32, 8, 128, 16, 0, bf16, 2e-2),
+                 ("varlen [1000,3000,17,4096]+prefix [0,2048,500,8192] h32/8 d128 p16",
+                  [1000, 3000, 17, 4096], [0, 2048, 500, 8192], 32, 8, 128, 16, 37, bf16, 2e-2),
+                 ("varlen [513,77,2048]+prefix [100,0,4000] h32/4 d64 p1", [513, 77, 2048], [100, 0, 4000], 32, 4, 64,
+                  1, 5, bf16, 2e-2)]
+    for i, (name, q_lens, prefixes, hq, hkv, d, ps, pad, dtype, tol) in enumerate(cases):
+        if rep.left() < (5 if rep.dry_run else 60):
+            return f"stopped early for the time budget after {i} attention cases"
+        q, kp, vp, cu, rows, lim = _paged_case(q_lens, prefixes, hq, hkv, d, ps, pad, dtype, device, seed=100 + i)
+        scale = d ** -0.5
+        out = torch.full_like(q, float("nan"))
+        triton_paged_attention(q, kp, vp, cu, rows, lim, ps, scale, 0, 0, out)   # 0, 0: capturable usage
+        ref = reference_attention(q, kp, vp, cu, rows, lim, ps, scale)
+        n = int(cu[-1])
+        nan = bool(torch.isnan(out).any())
+        pad_ok = bool((out[n:] == 0).all())
+        err = float((out[:n].float() - ref[:n]).abs().max()) if not nan else float("inf")
+        rep.check("a", f"triton attention {name}", "max abs err", err if pad_ok else float("inf"), tol,
+                  padding_rows_zero=pad_ok)
+        del q, kp, vp, out, ref
+    # KV write: scatter rows into shuffled slots; padding rows all point at the dummy slot 0.
+    n_rows, pad, hkv, d, slots_total = ((30, 3, 2, 64, 64) if rep.dry_run else (32768, 64, 8, 128, 40000))
+    gen = torch.Generator().manual_seed(7)
+    slots = torch.cat([torch.randperm(slots_total - 16, generator=gen)[:n_rows] + 16,
+                       torch.zeros(pad, dtype=torch.int64)]).to(device)
+    k = torch.randn(n_rows + pad, hkv, d, generator=gen).to(bf16).to(device)
+    v = torch.randn(n_rows + pad, hkv, d, generator=gen).to(bf16).to(device)
+    kp = torch.zeros(slots_total, hkv, d, dtype=bf16, device=device)
+    vp = torch.zeros_like(kp)
+    triton_kv_write(kp, vp, slots, k, v)
+    rk, rv = torch.zeros_like(kp), torch.zeros_like(vp)
+    rk[slots[:n_rows]] = k[:n_rows]
+    rv[slots[:n_rows]] = v[:n_rows]
+    mismatch = float(((kp[1:] != rk[1:]).any() | (vp[1:] != rv[1:]).any()).item())
+    rep.check("a", f"triton kv_write {n_rows}+{pad} pad rows h{hkv} d{d} bf16", "slots differing", mismatch, 0.0)
+    return ""
+
+
+# -- part b: attention TFLOP/s ------------------------------------------------------------------------
+def _cuda_ms(fn, warmup: int, reps: int) -> float:  # noqa: ANN001
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def part_b(rep: Report) -> str:
+    import torch
+    why = _triton_ready()
+    if why:
+        raise RuntimeError(f"cannot time the Triton kernel: {why}")
+    from graphcp.attention.kernels.triton_attention import triton_paged_attention
+    notes = []
+    for tokens, hq, hkv, d in ((8192, 32, 8, 128), (32768, 32, 8, 128), (8192, 32, 4, 64), (32768, 32, 4, 64)):
+        if rep.left() < 40:
+            notes.append("stopped early for the time budget")
+            break
+        q, kp, vp, cu, rows, lim = _paged_case([tokens], [0], hq, hkv, d, 16, 0, torch.bfloat16, "cuda", seed=tokens)
+        out = torch.empty_like(q)
+        scale = d ** -0.5
+        reps = 10 if tokens <= 8192 else 5
+        ms = _cuda_ms(lambda: triton_paged_attention(q, kp, vp, cu, rows, lim, 16, scale, 0, 0, out), 2, reps)
+        flops = 4 * tokens * tokens * hq * d / 2
+        row = {"shape": f"causal {tokens} tokens, h{hq}/{hkv}, d{d}, page 16", "tokens": tokens, "head_dim": d,
+               "triton_ms": ms, "triton_tflops": flops / ms / 1e9,
+               "pct_peak": 100 * flops / ms / 1e9 / PEAK_BF16_TFLOPS}
+        try:   # torch SDPA on contiguous K/V as a yardstick (kv heads expanded outside the timing)
+            sq = q.transpose(0, 1)[None]
+            kc = kp[: tokens].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None].contiguous()
+            vc = vp[: tokens].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)[None].contiguous()
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            s_ms = _cuda_ms(lambda: sdpa(sq, kc, vc, is_causal=True, scale=scale), 2, reps)
+            row.update(sdpa_ms=s_ms, sdpa_tflops=flops / s_ms / 1e9)
+            del kc, vc
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"SDPA yardstick failed: {type(e).__name__}")
+        rep.kernel_perf.append(row)
+        print(f"   {row['shape']}: triton {ms:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s "
+              f"({row['pct_peak']:.1f}% of peak)", flush=True)
+        del q, kp, vp, out
+    return "; ".join(notes)
+
+
+# -- part c: the 1B model, graphs vs eager vs HF -------------------------------------------------------
+def _shapes(rep: Report) -> list[tuple[str, int, int]]:
+    if rep.dry_run:
+        return [("1x16", 1, 16), ("2x24", 2, 24)]
+    return [("1x256", 1, 256), ("8x128", 8, 128), ("1x2048", 1, 2048), ("1x8192", 1, 8192)]
+
+
+def _batch(vocab: int, n: int, length: int, tag: str, seed: int) -> list[tuple[str, list[int]]]:
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"{tag}_{i}", torch.randint(0, vocab, (length,), generator=gen).tolist()) for i in range(n)]
+
+
+def _prefill(engine, batch, force_eager: bool = False):  # noqa: ANN001
+    from graphcp import Request
+    out = engine.prefill([Request(rid, ids) for rid, ids in batch], force_eager=force_eager)
+    for rid, _ in batch:
+        engine.release(rid)
+    return out
+
+
+def _time_prefill(engine, batch, force_eager: bool, reps: int) -> float:  # noqa: ANN001
+    _prefill(engine, batch, force_eager)               # warm: kernel specializations, allocator
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        _prefill(engine, batch, force_eager)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _rel_err(a, b) -> float:  # noqa: ANN001
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def _checkpoint(rep: Report, workdir: str) -> str:
+    import torch
+
+    from graphcp.models.random_checkpoint import DEMO_QWEN3, LLAMA_1B, make_random_checkpoint
+    if rep.dry_run:
+        return make_random_checkpoint(os.path.join(workdir, "demo-qwen3"), DEMO_QWEN3, seed=0)
+    t = time.monotonic()
+    path = make_random_checkpoint(os.path.join(workdir, "llama-1b-random"), LLAMA_1B, seed=0, dtype=torch.bfloat16)
+    rep.info["checkpoint_s"] = round(time.monotonic() - t, 1)
+    return path
+
+
+def _engine_args(rep: Report, path: str, **kw):  # noqa: ANN001
+    from graphcp import EngineArgs
+    if rep.dry_run:
+        return EngineArgs(model_path=path, device="cpu", max_total_tokens=4096, cuda_graph_buckets=(16, 32, 64), **kw)
+    return EngineArgs(model_path=path, device="cuda", max_total_tokens=65536,
+                      cuda_graph_buckets=kw.pop("cuda_graph_buckets", (256, 1024, 2048, 8192)), **kw)
+
+
+def part_c(rep: Report, state: dict) -> str:
+    import torch
+
+    from graphcp import Engine
+    from graphcp.models import read_model_config
+    path = state["checkpoint"] = _checkpoint(rep, state["workdir"])
+    vocab = read_model_config(path).vocab_size
+    reps = 3 if rep.dry_run else 5
+    tol = 1e-4 if rep.dry_run else 2e-2       # bf16: padded GEMM shapes may pick other cuBLAS tilings
+    notes = []
+    t = time.monotonic()
+    with Engine(_engine_args(rep, path)) as engine:
+        rep.info["engine_start_s"] = round(time.monotonic() - t, 1)
+        rep.info["graph_buckets"] = engine.stats()["graph_buckets"]
+        for i, (shape, n, length) in enumerate(_shapes(rep)):
+            if rep.left() < (5 if rep.dry_run else 45):
+                notes.append(f"stopped at {shape} for the time budget")
+                break
+            batch = _batch(vocab, n, length, f"c{i}", seed=i)
+            g = _prefill(engine, batch)
+            e = _prefill(engine, batch, force_eager=True)
+            state.setdefault("cp1_logits", {})[shape] = g.logits
+            rep.check("c", f"graph vs eager logits {shape}", "max rel err", _rel_err(g.logits, e.logits), tol,
+                      mode=g.mode, bucket=g.graph_bucket)
+            row = {"shape": shape, "mode": g.mode, "bucket": g.graph_bucket, "eager_reason": g.eager_reason}
+            row["eager_ms"] = _time_prefill(engine, batch, True, reps)
+            row["graph_ms"] = _time_prefill(engine, batch, False, reps)
+            row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
+            state.setdefault("eager_logits", {})[shape] = e.logits
+            rep.timings.append(row)
+            print(f"   {shape}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms "
+                  f"({row['graph_speedup']:.2f}x), mode {g.mode} bucket {g.graph_bucket}", flush=True)
+    if _cuda() and not rep.dry_run:
+        torch.cuda.empty_cache()
+    notes.append(_hf(rep, state, path, vocab, reps))
+    return "; ".join(n for n in notes if n)
+
+
+def _hf(rep: Report, state: dict, path: str, vocab: int, reps: int) -> str:
+    import torch
+    if importlib.util.find_spec("transformers") is None:
+        return "HF skipped: transformers is not installed"
+    if rep.left() < (10 if rep.dry_run else 45):
+        return "HF skipped: time budget"
+    import transformers
+    rep.info["transformers"] = transformers.__version__
+    device = "cpu" if rep.dry_run else "cuda"
+    dtype = torch.float32 if rep.dry_run else torch.bfloat16
+    auto = transformers.AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except TypeError:                                   # transformers < 4.56 spells it torch_dtype
+        model = auto.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+
+    @torch.inference_mode()
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        try:
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+        except TypeError:
+            logits = model(input_ids=ids, use_cache=False).logits
+        return logits[:, -1].float().cpu()              # same hand-off as engine.prefill: fp32 logits on host
+
+    for i, (shape, n, length) in enumerate(_shapes(rep)):
+        row = next((r for r in rep.timings if r["shape"] == shape), None)
+        if row is None or rep.left() < (3 if rep.dry_run else 20):
+            continue
+        batch = _batch(vocab, n, length, f"c{i}", seed=i)
+        ids = torch.tensor([ids for _, ids in batch], device=device)       # equal lengths: no padding
+        logits = forward(ids)
+        times = []
+        for _ in range(reps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            forward(ids)
+            times.append((time.perf_counter() - t) * 1e3)
+        row["hf_ms"] = statistics.median(times)
+        row["eager_vs_hf"] = row["hf_ms"] / row["eager_ms"]
+        ref = state.get("eager_logits", {}).get(shape)
+        if ref is not None:
+            rep.check("c", f"graphcp eager vs HF logits {shape}", "max rel err", _rel_err(ref, logits),
+                      1e-4 if rep.dry_run else 0.1, note="HF on the same weights" +
+                      ("" if rep.dry_run else "; bf16, different kernels"))
+        print(f"   {shape}: HF {row['hf_ms']:.2f} ms (graphcp eager is {row['eager_vs_hf']:.2f}x HF speed)", flush=True)
+    del model
+    return ""
+
+
+# -- part d: CP=2 on one GPU ----------------------------------------------------------------------------
+def part_d(rep: Report, state: dict) -> str:
+    from graphcp import Engine
+    from graphcp.models import read_model_config
+    path = state.get("checkpoint") or _checkpoint(rep, state["workdir"])
+    vocab = read_model_config(path).vocab_size
+    shapes = [s for s in _shapes(rep) if s[0] in (("1x16", "2x24") if rep.dry_run else ("8x128", "1x2048"))]
+    cp1 = dict(state.get("cp1_logits", {}))
+    missing = [s for s in shapes if s[0] not in cp1]
+    if missing:                                       # part c did not run: CP=1 reference here
+        with Engine(_engine_args(rep, path)) as ref:
+            for shape, n, length in missing:
+                i = [s[0] for s in _shapes(rep)].index(shape)
+                cp1[shape] = _prefill(ref, _batch(vocab, n, length, f"c{i}", seed=i)).logits
+    cp_kw = dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag")
+    if not rep.dry_run:
+        cp_kw["cuda_graph_buckets"] = (512, 1024)
+    tol = 1e-4 if rep.dry_run else 5e-2
+    notes = []
+    with Engine(_engine_args(rep, path, **cp_kw)) as engine:
+        for shape, n, length in shapes:
+            if rep.left() < (5 if rep.dry_run else 20):
+                notes.append(f"stopped at {shape} for the time budget")
+                break
+            i = [s[0] for s in _shapes(rep)].index(shape)
+            batch = _batch(vocab, n, length, f"c{i}", seed=i)
+            out = _prefill(engine, batch)
+            err = _rel_err(out.logits, cp1[shape])
+            rep.check("d", f"CP=2 zigzag vs CP=1 logits {shape}", "max rel err", err, tol, mode=out.mode,
+                      bucket=out.graph_bucket)
+            row = {"shape": shape, "mode": out.mode, "bucket": out.graph_bucket, "per_rank_tokens": out.per_rank_tokens,
+                   "rel_err": err, "eager_reason": out.eager_reason}
+            if rep.left() > (5 if rep.dry_run else 30):
+                row["eager_ms"] = _time_prefill(engine, batch, True, 3)
+                row["graph_ms"] = _time_prefill(engine, batch, False, 3)
+            rep.cp.append(row)
+            if out.mode != "graph":
+                notes.append(f"{shape} ran {out.mode}: {out.eager_reason}")
+    return "; ".join(notes)
+
+
+# -- aims and main --------------------------------------------------------------------------------------
+def add_aims(rep: Report) -> None:
+    rows = {t["shape"]: t for t in rep.timings}
+    rep.aim("graph >= 2x eager at 8x128", rows.get("8x128", {}).get("graph_speedup"), 2.0, "x")
+    rep.aim("graph >= 1.1x eager at 1x2048", rows.get("1x2048", {}).get("graph_speedup"), 1.1, "x")
+    perf = [k for k in rep.kernel_perf if k["tokens"] == 32768 and k["head_dim"] == 128]
+    rep.aim(f"triton attention >= 40% of bf16 peak ({PEAK_BF16_TFLOPS:.0f} TFLOP/s) at 32k causal, d128",
+            perf[0]["pct_peak"] if perf else None, 40.0, "%")
+    for shape, _, _ in _shapes(rep):
+        rep.aim(f"graphcp eager >= HF speed at {shape}", rows.get(shape, {}).get("eager_vs_hf"), 1.0, "x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "profiles", "out"), help="where the json/md go")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, CUDA parts skipped (CI)")
+    parser.add_argument("--workdir", default=None, help="keep the generated checkpoint here (reused by a rerun); "
+                        "default: a temporary directory removed at the end")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting work after this many seconds")
+    parser.add_argument("--parts", default="abcd", help="subset of parts to run, e.g. 'ac'")
+    ns = parser.parse_args(argv)
+    if ns.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"          # before anything imports triton
+    import torch
+    rep = Report(ns.dry_run, ns.budget_s or (DRY_BUDGET_S if ns.dry_run else GPU_BUDGET_S))
+    if ns.dry_run:
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    triton = importlib.util.find_spec("triton")
+    device = torch.cuda.get_device_name(0) if _cuda() and not ns.dry_run else f"cpu ({platform.machine()})"
+    rep.info.update(device=device,
+                    torch=torch.__version__, triton=_version("triton") if triton else None,
+                    transformers=_version("transformers"), python=platform.python_version(),
+                    started=datetime.datetime.now().isoformat(timespec="seconds"))
+    os.makedirs(ns.out, exist_ok=True)
+    workdir = ns.workdir or tempfile.mkdtemp(prefix="graphcp_gpu_check_")
+
+    def cleanup() -> None:
+        if ns.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    _watchdog(rep, ns.out, rep.budget_s + (10.0 if ns.dry_run else 25.0), cleanup)
+    state: dict = {"workdir": workdir}
+    try:
+        if "a" in ns.parts:
+            rep.run_part("a", "Triton kernels vs torch reference", part_a, needs_cuda=False,
+                         min_left_s=5 if ns.dry_run else 90)
+        if "b" in ns.parts:
+            rep.run_part("b", "attention TFLOP/s (triton)", part_b, needs_cuda=True, min_left_s=60)
+        if "c" in ns.parts:
+            rep.run_part("c", ("demo-size Qwen3" if ns.dry_run else "1B Llama") + ": graph vs eager vs HF",
+                         lambda r: part_c(r, state), needs_cuda=False,
+                         min_left_s=15 if ns.dry_run else 150)
+        if "d" in ns.parts:
+            rep.run_part("d", "CP=2 zigzag on one device vs CP=1", lambda r: part_d(r, state), needs_cuda=False,
+                         min_left_s=15 if ns.dry_run else 75)
+    finally:
+        cleanup()
+    return _finish(rep, ns.out)
+
+
+def _finish(rep: Report, out_dir: str) -> int:
+    add_aims(rep)
+    md = rep.markdown()
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(rep.to_json(), f, indent=2, default=str)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(md)
+    print("\n" + md)
+    print(f"wrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check.md ({rep.elapsed():.0f} s)", flush=True)
+    return 1 if rep.failed else 0
+
+
+def _watchdog(rep: Report, out_dir: str, hard_limit_s: float, cleanup) -> None:  # noqa: ANN001
+    """A part that hangs (a collective that never returns) must not eat the machine's time: past the hard
+    limit, write what there is, mark the running part FAILED and exit. Rank processes notice their parent
+    is gone and exit on their own."""
+    import threading
+
+    def fire() -> None:
+        key = rep.current
+        if key is not None:
+            rep.parts[key].update(status="FAILED", note=f"still running at the hard limit of {hard_limit_s:.0f} s",
+                                  seconds=round(time.monotonic() - rep.current_t0, 1))
+        print(f"\ngpu_check: hard time limit {hard_limit_s:.0f} s reached; writing the partial report", flush=True)
+        try:
+            _finish(rep, out_dir)
+            cleanup()
+        finally:
+            os._exit(1)
+
+    timer = threading.Timer(hard_limit_s, fire)
+    timer.daemon = True
+    timer.start()
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(module)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
