@@ -222,7 +222,8 @@ class ModelRunner:
                 "graph_buckets": self.graphs.buckets if self.graphs else [],
                 "world_size": self.args.world_size, "attention_backend": self.backend,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
-                "capture_failures": self.graphs.failures if self.graphs else {}}
+                "capture_failures": self.graphs.failures if self.graphs else {},
+                "capture_records": [vars(r) for r in self.graphs.records.values()] if self.graphs else []}
 
 
 class _NullCounter:

@@ -23,11 +23,16 @@ def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
                           max_q: int, max_kv: int, out: torch.Tensor) -> torch.Tensor:
     dev = q.device
+    out.zero_()
     if max_q == 0 or max_kv == 0:
-        return out.zero_()
+        return out
+    # Graph buffers carry padding requests (empty sequences): drop them before the padded batch is formed.
+    nonempty = torch.nonzero(cu_seqlens_q[1:] > cu_seqlens_q[:-1]).squeeze(1)
+    starts, ends = cu_seqlens_q[:-1][nonempty], cu_seqlens_q[1:][nonempty]
+    page_rows = page_rows[nonempty]
     # Queries padded per sequence: [S, max_q]
-    q_idx = cu_seqlens_q[:-1, None] + torch.arange(max_q, device=dev)[None, :]
-    q_valid = q_idx < cu_seqlens_q[1:, None]
+    q_idx = starts[:, None] + torch.arange(max_q, device=dev)[None, :]
+    q_valid = q_idx < ends[:, None]
     q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
     key_pos = torch.arange(max_kv, device=dev)
     pages = page_rows[:, torch.div(key_pos, page_size, rounding_mode="floor")]
@@ -40,6 +45,5 @@ def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
         enable_gqa=True)
     o = o.transpose(1, 2)                                                              # [S, max_q, Hq, D]
-    out.zero_()
     out[q_idx[q_valid]] = o[q_valid].to(out.dtype)
     return out

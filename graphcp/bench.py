@@ -1,0 +1,175 @@
+"""``graphcp bench``: graphcp graph vs graphcp eager vs HF transformers, side by side in one run.
+
+Every case runs the same batch through the three paths on the same checkpoint, alternating them so machine
+noise hits all three alike; medians and ratios are reported, with the host launches per forward and the
+per-rank attention balance of each CP layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+
+from graphcp.cli import engine_args, engine_parser
+
+DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    n, length = text.lower().split("x")
+    return int(n), int(length)
+
+
+def attention_balance(strategy: str, cp: int, extend_lens: list[int]) -> float:
+    """max/mean over ranks of the keys their queries attend (causal work); 1.0 is perfect."""
+    if cp == 1:
+        return 1.0
+    from graphcp.cp import build_layout
+    work = []
+    for rank in range(cp):
+        lay = build_layout(strategy, cp, rank, extend_lens)
+        if strategy == "zigzag":
+            total = 0
+            for q_lens, kv_lens in ((lay.q_lens_early, lay.kv_lens_early), (lay.q_lens_late, lay.kv_lens_late)):
+                total += sum(q * kv - q * (q - 1) // 2 for q, kv in zip(q_lens, kv_lens))
+            work.append(total)
+        else:
+            work.append(sum(lay.kv_lens))
+    return max(work) / (sum(work) / cp)
+
+
+class _HF:
+    def __init__(self, path: str, device: str) -> None:
+        import transformers
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa").to(device)
+        self.model.eval()
+        self.device = device
+
+    @torch.inference_mode()
+    def __call__(self, batch: list[list[int]]) -> None:
+        ids = torch.tensor(batch, device=self.device)
+        self.model(ids, use_cache=True, logits_to_keep=1)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def _time(fn) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run(argv: list[str]) -> int:
+    parser = engine_parser("graphcp bench", "graphcp graph vs eager vs HF transformers, side by side.", cp_default=2)
+    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="NxL: N requests of L tokens")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--json", dest="json_out", default=None)
+    parser.add_argument("--plot", default="graphcp-bench.png")
+    ns = parser.parse_args(argv)
+    args = engine_args(ns)
+    cases = [parse_case(c) for c in ns.cases]
+    if args.max_total_tokens is None:
+        args = dataclasses.replace(args, max_total_tokens=max(n * length for n, length in cases) + 1024)
+    from graphcp import Engine, Request
+    from graphcp.models import read_model_config
+    vocab = read_model_config(args.model_path).vocab_size
+    hf = None
+    if not ns.no_hf:
+        try:
+            hf = _HF(args.model_path, args.resolved_device())
+        except ImportError:
+            print("transformers is not installed: HF column skipped (pip install graphcp[test])")
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    print(f"graphcp bench: {args.model_path}  CP={args.cp_size} {args.cp_strategy or ''}  "
+          f"device={args.resolved_device()}  reps={ns.reps}")
+    with Engine(args) as engine:
+        for n, length in cases:
+            batch = [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+            requests = [Request(f"b{i}", ids) for i, ids in enumerate(batch)]
+
+            def graphcp_run(force_eager: bool, count: bool = False):  # noqa: ANN202
+                out = engine.prefill(requests, force_eager=force_eager, count_host_ops=count)
+                for r in requests:
+                    engine.release(r.rid)
+                return out
+
+            graph_out, eager_out = graphcp_run(False, True), graphcp_run(True, True)   # warm-up + op counts
+            if hf is not None:
+                hf(batch)
+            times = {"graph": [], "eager": [], "hf": []}
+            for _ in range(ns.reps):
+                times["graph"].append(_time(lambda: graphcp_run(False)))
+                times["eager"].append(_time(lambda: graphcp_run(True)))
+                if hf is not None:
+                    times["hf"].append(_time(lambda: hf(batch)))
+            med = {k: statistics.median(v) if v else None for k, v in times.items()}
+            results.append({
+                "case": f"{n}x{length}", "tokens": n * length, "graph_mode": graph_out.mode,
+                "graph_bucket": graph_out.graph_bucket, "eager_reason": graph_out.eager_reason,
+                "ms": med, "host_ops": {"eager": eager_out.host_ops, "graph": graph_out.host_ops},
+                "balance": {s: attention_balance(s, max(1, args.cp_size), [length] * n)
+                            for s in ("zigzag", "interleave")}})
+    report = _report(results)
+    print(report["table"])
+    if ns.json_out:
+        with open(ns.json_out, "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "table"} | {"config": args.to_dict()}, f, indent=2)
+        print(f"wrote {ns.json_out}")
+    if ns.plot:
+        _plot(results, ns.plot)
+        print(f"wrote {ns.plot}")
+    return 0
+
+
+def _report(results: list[dict]) -> dict:
+    lines = ["", f"{'case':>7} {'mode':>6} {'bucket':>6} {'graph ms':>9} {'eager ms':>9} {'hf ms':>8} "
+                 f"{'graph/eager':>11} {'eager/hf':>8} {'ops eager':>9} {'ops graph':>9} {'zz bal':>6} {'il bal':>6}"]
+    total_tokens = sum(r["tokens"] for r in results)
+    totals = {k: sum(r["ms"][k] for r in results) if all(r["ms"][k] for r in results) else None
+              for k in ("graph", "eager", "hf")}
+    for r in results:
+        ms = r["ms"]
+        speed = ms["eager"] / ms["graph"]
+        vs_hf = f"{ms['hf'] / ms['eager']:.2f}x" if ms["hf"] else "-"
+        hf_ms = f"{ms['hf']:.1f}" if ms["hf"] else "-"
+        lines.append(f"{r['case']:>7} {r['graph_mode']:>6} {r['graph_bucket'] or '-':>6} {ms['graph']:>9.1f} "
+                     f"{ms['eager']:>9.1f} {hf_ms:>8} {speed:>10.2f}x {vs_hf:>8} {r['host_ops']['eager']:>9} "
+                     f"{r['host_ops']['graph']:>9} {r['balance']['zigzag']:>6.3f} {r['balance']['interleave']:>6.3f}")
+    tps = {name: (total_tokens / totals[key] * 1e3 if totals[key] else None)
+           for name, key in (("graphcp_graph", "graph"), ("graphcp_eager", "eager"), ("hf", "hf"))}
+    ops = {"eager": int(statistics.median(r["host_ops"]["eager"] for r in results)),
+           "graph": int(statistics.median(r["host_ops"]["graph"] for r in results))}
+    lines.append("")
+    lines.append("tokens/s (all cases): " + ", ".join(f"{k} {v:.0f}" for k, v in tps.items() if v))
+    if tps["hf"]:
+        lines.append(f"graphcp eager / HF: {tps['graphcp_eager'] / tps['hf']:.2f}x   "
+                     f"graphcp graph / HF: {tps['graphcp_graph'] / tps['hf']:.2f}x")
+    lines.append(f"graph / eager: {tps['graphcp_graph'] / tps['graphcp_eager']:.2f}x   host ops per forward "
+                 f"(median): eager {ops['eager']}, graph {ops['graph']} -> {ops['graph'] / ops['eager']:.3f}")
+    return {"table": "\n".join(lines), "host_ops_per_forward": ops, "tokens_per_s": tps, "cases": results}
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["case"] for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 1.2), 4))
+    width = 0.27
+    for i, (key, label) in enumerate((("graph", "graphcp graph"), ("eager", "graphcp eager"), ("hf", "HF transformers"))):
+        vals = [r["tokens"] / r["ms"][key] * 1e3 if r["ms"][key] else 0 for r in results]
+        ax.bar([x + (i - 1) * width for x in range(len(names))], vals, width, label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_xlabel("batch (requests x tokens)")
+    ax.set_ylabel("tokens / s (median)")
+    ax.set_title("prefill throughput, side by side in one run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
