@@ -129,6 +129,7 @@ class ModelRunner:
         """Host maxima the break kernels need (the live batch's, refreshed before each replay)."""
         c = strategy.cp_size
         rank = self.rank % c
+        self.host.workspace.clear()
         if strategy.name == "zigzag":
             self.host.max_q = max(-(-n // (2 * c)) for n in extend_lens)
             self.host.early_rows = sum(n // (2 * c) + (rank < n % (2 * c)) for n in extend_lens)

@@ -51,9 +51,10 @@ def kernel_fn(name: str, device: torch.device | None = None) -> tuple[Kernel, bo
 
 def _attend(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
             page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float, max_q: int, max_kv: int,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, workspace: dict | None = None) -> torch.Tensor:
     with nvtx_range("attention"):
-        return kernel(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale, max_q, max_kv, out)
+        return kernel(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale, max_q, max_kv, out,
+                      workspace=workspace)
 
 
 @graph_break
@@ -63,7 +64,7 @@ def _attend_break(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
     """Host lengths are read when the break runs, so a replay sees the live batch's maxima."""
     if not split:
         return _attend(kernel, q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale,
-                       host.max_q, host.max_kv, out)
+                       host.max_q, host.max_kv, out, host.workspace)
     # flashattention path: early blocks, then late blocks, each its own varlen call.
     n, r = host.early_rows, page_rows.shape[0] // 2
     _attend(kernel, q[:n], k_pool, v_pool, cu_seqlens_q[:r + 1], page_rows[:r], q_limits[:n], page_size, scale,

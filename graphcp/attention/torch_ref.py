@@ -6,7 +6,7 @@ plain sequence is bottom-right causal (kv_len - q_len + i + 1). GQA: query head 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,33 +17,44 @@ class HostLengths:
     max_q: int = 0
     max_kv: int = 0
     early_rows: int = 0     # zigzag: local rows held by early blocks (the flashattention path splits there)
+    workspace: dict = field(default_factory=dict)   # per-forward scratch kernels share across layers
+
+
+def _sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int,
+                     max_q: int, max_kv: int) -> tuple:
+    """Layer-independent gather indices: padded query rows, KV slots and the causal mask."""
+    dev = cu_seqlens_q.device
+    # Graph buffers carry padding requests (empty sequences): drop them before the padded batch is formed.
+    nonempty = torch.nonzero(cu_seqlens_q[1:] > cu_seqlens_q[:-1]).squeeze(1)
+    starts, ends = cu_seqlens_q[:-1][nonempty], cu_seqlens_q[1:][nonempty]
+    q_idx = starts[:, None] + torch.arange(max_q, device=dev)[None, :]                 # [S, max_q]
+    q_valid = q_idx < ends[:, None]
+    q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
+    key_pos = torch.arange(max_kv, device=dev)
+    pages = page_rows[nonempty][:, torch.div(key_pos, page_size, rounding_mode="floor")]
+    slots = pages * page_size + torch.remainder(key_pos, page_size)                     # [S, max_kv]
+    limits = torch.where(q_valid, q_limits[q_idx], torch.ones_like(q_idx))
+    mask = (key_pos[None, None, :] < limits[:, :, None])[:, None]                      # [S, 1, max_q, max_kv]
+    return q_idx, q_valid, q_idx[q_valid], slots, mask
 
 
 def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
-                          max_q: int, max_kv: int, out: torch.Tensor) -> torch.Tensor:
-    dev = q.device
+                          max_q: int, max_kv: int, out: torch.Tensor, *, workspace: dict | None = None) -> torch.Tensor:
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
-    # Graph buffers carry padding requests (empty sequences): drop them before the padded batch is formed.
-    nonempty = torch.nonzero(cu_seqlens_q[1:] > cu_seqlens_q[:-1]).squeeze(1)
-    starts, ends = cu_seqlens_q[:-1][nonempty], cu_seqlens_q[1:][nonempty]
-    page_rows = page_rows[nonempty]
-    # Queries padded per sequence: [S, max_q]
-    q_idx = starts[:, None] + torch.arange(max_q, device=dev)[None, :]
-    q_valid = q_idx < ends[:, None]
-    q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
-    key_pos = torch.arange(max_kv, device=dev)
-    pages = page_rows[:, torch.div(key_pos, page_size, rounding_mode="floor")]
-    slots = pages * page_size + torch.remainder(key_pos, page_size)                     # [S, max_kv]
-    keys, values = k_pool[slots], v_pool[slots]                                        # [S, max_kv, Hkv, D]
-    limits = torch.where(q_valid, q_limits[q_idx], torch.ones_like(q_idx))
-    mask = key_pos[None, None, :] < limits[:, :, None]                                 # [S, max_q, max_kv]
-    queries = q[q_idx].transpose(1, 2)                                                 # [S, Hq, max_q, D]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
-        enable_gqa=True)
-    o = o.transpose(1, 2)                                                              # [S, max_q, Hq, D]
-    out[q_idx[q_valid]] = o[q_valid].to(out.dtype)
+    inputs = (cu_seqlens_q, page_rows, q_limits)
+    key = ("torch", *(id(t) for t in inputs), page_size, max_q, max_kv)
+    cached = workspace.get(key) if workspace is not None else None
+    if cached is None or any(a is not b for a, b in zip(cached[0], inputs)):
+        # The entry keeps its inputs alive, so their ids cannot be reused within the forward.
+        cached = (inputs, _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size, max_q, max_kv))
+        if workspace is not None:
+            workspace[key] = cached
+    q_idx, q_valid, rows, slots, mask = cached[1]
+    keys, values = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)         # [S, Hkv, max_kv, D]
+    o = torch.nn.functional.scaled_dot_product_attention(q[q_idx].transpose(1, 2), keys, values, attn_mask=mask,
+                                                         scale=scale, enable_gqa=True)
+    out[rows] = o.transpose(1, 2)[q_valid].to(out.dtype)                                # [S, max_q, Hq, D] rows
     return out

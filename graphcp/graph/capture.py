@@ -176,22 +176,32 @@ def _host_read_error(name: str) -> Callable:
 
 
 class _CpuSegment:
+    """Recorded aten ops. Arguments are stored as templates with the positions of intermediates, so a
+    replay only patches those positions and calls the op: no Python model code, no pytree walks."""
+
     def __init__(self) -> None:
-        self.nodes: list[tuple] = []        # (func, flat_args, treespec, ref_positions, out_refs)
+        # (op, args, kwargs, arg_refs [(i, j, ref)], kwarg_refs [(key, ref)], outs [(pos, ref)])
+        self.nodes: list[tuple] = []
         self.drops: list[list[int]] = []
 
     def replay(self, env: list) -> None:
-        for (func, flat, spec, refs, outs), drop in zip(self.nodes, self.drops):
-            if refs:
-                flat = list(flat)
-                for pos, ref in refs:
-                    flat[pos] = env[ref]
-            args, kwargs = tree_unflatten(flat, spec)
-            out = func(*args, **kwargs)
-            if outs:
-                flat_out = tree_flatten(out)[0]
-                for pos, ref in outs:
-                    env[ref] = flat_out[pos]
+        for (op, args, kwargs, arefs, krefs, outs), drop in zip(self.nodes, self.drops):
+            if arefs:
+                args = list(args)
+                for i, j, ref in arefs:
+                    if j < 0:
+                        args[i] = env[ref]
+                    else:
+                        if type(args[i]) is tuple:
+                            args[i] = list(args[i])
+                        args[i][j] = env[ref]
+            if krefs:
+                kwargs = dict(kwargs)
+                for key, ref in krefs:
+                    kwargs[key] = env[ref]
+            out = op(*args, **kwargs)
+            for pos, ref in outs:
+                env[ref] = out if pos < 0 else out[pos]
             for ref in drop:
                 env[ref] = None
 
@@ -247,18 +257,38 @@ class CpuCapture(_Capture):
         return flat, spec, refs
 
     def _bind_outputs(self, out: Any) -> list[tuple[int, int]]:
-        outs = []
-        for pos, t in enumerate(tree_flatten(out)[0]):
-            if isinstance(t, torch.Tensor) and id(t) not in self.ids:
-                self.ids[id(t)] = len(self.keep)
-                self.keep.append(t)
-                outs.append((pos, self.ids[id(t)]))
-        return outs
+        return [(pos, self._bind(t)) for pos, t in enumerate(tree_flatten(out)[0])
+                if isinstance(t, torch.Tensor) and id(t) not in self.ids]
+
+    def _ref(self, x: Any) -> int | None:
+        return self.ids.get(id(x)) if isinstance(x, torch.Tensor) else None
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        flat, spec, refs = self._flatten_refs((args, kwargs))
         self.signature.append(_signature(func, (args, kwargs), out))
-        self.segment.nodes.append((func, flat, spec, refs, self._bind_outputs(out)))
+        arefs, template = [], list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, (list, tuple)):
+                for j, x in enumerate(a):
+                    if self._ref(x) is not None:
+                        arefs.append((i, j, self._ref(x)))
+                template[i] = tuple(a)       # copied on write at replay
+            elif self._ref(a) is not None:
+                arefs.append((i, -1, self._ref(a)))
+        krefs = [(k, self._ref(v)) for k, v in kwargs.items() if self._ref(v) is not None]
+        if any(isinstance(v, (list, tuple)) and any(self._ref(x) is not None for x in v) for v in kwargs.values()):
+            raise GraphCaptureError(f"{_op_name(func)}: tensor lists in keyword arguments are not supported")
+        if isinstance(out, torch.Tensor):
+            outs = [] if id(out) in self.ids else [(-1, self._bind(out))]
+        else:
+            outs = [(pos, self._bind(t)) for pos, t in enumerate(out or ())
+                    if isinstance(t, torch.Tensor) and id(t) not in self.ids]
+        op = getattr(func, "_op", func)      # the C++ op behind the OpOverload: one Python frame less
+        self.segment.nodes.append((op, tuple(template), dict(kwargs), arefs, krefs, outs))
+
+    def _bind(self, t: torch.Tensor) -> int:
+        self.ids[id(t)] = len(self.keep)
+        self.keep.append(t)
+        return self.ids[id(t)]
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self._end()
@@ -298,7 +328,7 @@ def _plan_drops(g: BreakableGraph) -> None:
                 last[ref] = (si, -1)
         else:
             for ni, node in enumerate(item.nodes):
-                for _, ref in node[3]:
+                for ref in [r for _, _, r in node[3]] + [r for _, r in node[4]]:
                     last[ref] = (si, ni)
     for si, item in enumerate(g.items):
         if not isinstance(item, _Break):

@@ -117,7 +117,7 @@ def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[in
 def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
                            max_q: int, max_kv: int, out: torch.Tensor, *, block_m: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, workspace: dict | None = None) -> torch.Tensor:
     """Same contract as ``torch_paged_attention``. ``max_q``/``max_kv`` are accepted for the shared signature
     but never needed: every length is read from device memory, so 0 ("unknown on the host") is fine and
     the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >= 16) override the tiling."""
