@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Listener
+from multiprocessing.connection import wait as connection_wait
 from typing import Any, Sequence
 
 import torch
@@ -86,17 +87,16 @@ class Engine:
 
     def _spawn(self) -> None:
         """One fresh interpreter per rank (``python -m graphcp.worker``), so the caller's script is never
-        re-imported; each connects back over an authenticated local socket."""
+        re-imported; each connects back over an authenticated Unix socket (no Nagle delays on replies)."""
         world = self.args.world_size
         authkey = bytes(multiprocessing.current_process().authkey)
         init = f"tcp://127.0.0.1:{_free_port()}"
-        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
-            host, port = listener.address
+        with Listener(family="AF_UNIX", authkey=authkey) as listener:
             # The ranks import graphcp from where this process did, installed or not.
             src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
             env = {**os.environ, "GRAPHCP_AUTHKEY": authkey.hex(), "PYTHONPATH": path}
-            procs = [subprocess.Popen([sys.executable, "-m", "graphcp.worker", host, str(port), str(rank)], env=env)
+            procs = [subprocess.Popen([sys.executable, "-m", "graphcp.worker", listener.address, str(rank)], env=env)
                      for rank in range(world)]
             conns: dict[int, Any] = {}
             listener._listener._socket.settimeout(120.0)  # a rank that cannot start must not hang us
@@ -124,29 +124,27 @@ class Engine:
         """One reply per rank; a dead or silent rank makes the engine unusable and shuts it down."""
         deadline = time.monotonic() + timeout
         replies: list[Any] = [None] * len(self._workers)
-        pending = set(range(len(self._workers)))
+        pending = {conn: rank for rank, (_, conn) in enumerate(self._workers)}
         errors: list[tuple[str, str]] = []
-        while pending:
-            for rank in sorted(pending):
-                proc, conn = self._workers[rank]
-                if conn.poll(0.05):
-                    try:
-                        kind, payload = conn.recv()
-                    except EOFError:
-                        kind, payload = "dead", f"rank {rank} closed its pipe"
-                    pending.discard(rank)
-                    if kind in ("ok", "ready"):
-                        replies[rank] = payload
-                    else:
-                        errors.append((kind, payload))
-                elif not proc.is_alive():
-                    pending.discard(rank)
+        while pending and not any(k == "dead" for k, _ in errors):
+            ready = connection_wait(list(pending), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):
+                    kind, payload = "dead", f"rank {rank} closed its connection"
+                if kind in ("ok", "ready"):
+                    replies[rank] = payload
+                else:
+                    errors.append((kind, payload))
+            for conn, rank in list(pending.items()):
+                proc = self._workers[rank][0]
+                if not proc.is_alive() and not conn.poll():
+                    pending.pop(conn)
                     errors.append(("dead", f"rank {rank} exited with code {proc.exitcode}"))
             if pending and time.monotonic() > deadline:
-                errors.append(("dead", f"ranks {sorted(pending)} did not answer within {timeout:.0f} s"))
-                break
-            if any(k == "dead" for k, _ in errors):
-                break
+                errors.append(("dead", f"ranks {sorted(pending.values())} did not answer within {timeout:.0f} s"))
         if errors:
             kinds = {k for k, _ in errors}
             if kinds == {"request_error"}:
@@ -168,7 +166,10 @@ class Engine:
             raise EngineDeadError("graphcp engine is closed")
         for _, conn in self._workers:
             conn.send((cmd, payload))
-        return self._collect(timeout or self.args.rank_timeout_s)[0]
+        result = self._collect(timeout or self.args.rank_timeout_s)[0]
+        if isinstance(result, PrefillOutput) and not isinstance(result.logits, torch.Tensor):
+            result.logits = torch.from_numpy(result.logits)
+        return result
 
     def _local(self, cmd: str, payload: Any) -> Any:
         runner = self._runner

@@ -1,6 +1,7 @@
 """One rank's process: join the group, build the ModelRunner, then serve commands from the engine."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -72,7 +73,8 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             if cmd == "prefill":
                 requests, count_ops, force_eager = payload
                 out = runner.prefill(requests, count_host_ops=count_ops, force_eager=force_eager)
-                result = out if rank == 0 else None
+                # Plain bytes, not torch's shared-memory tensor passing: cheaper for a few logit rows.
+                result = dataclasses.replace(out, logits=out.logits.numpy()) if rank == 0 else None
             elif cmd == "kv_cache":
                 result = runner.kv_cache(payload) if rank == 0 else None
             elif cmd == "release":
@@ -94,14 +96,14 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
 
 
 def main() -> None:
-    """Entry of a rank process started by the Engine: ``python -m graphcp.worker HOST PORT RANK``."""
+    """Entry of a rank process started by the Engine: ``python -m graphcp.worker SOCKET_PATH RANK``."""
     from multiprocessing.connection import Client
-    host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    address, rank = sys.argv[1], int(sys.argv[2])
     authkey = bytes.fromhex(os.environ.pop("GRAPHCP_AUTHKEY"))
     # torch shares tensors between processes through multiprocessing's resource sharer, which
     # authenticates with the process authkey: use the engine's.
     multiprocessing.current_process().authkey = authkey
-    conn = Client((host, port), authkey=authkey)
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
     conn.send(("hello", rank))
     _, (world, args, init_method, parent_pid) = conn.recv()
     worker_main(rank, world, args, init_method, conn, parent_pid)

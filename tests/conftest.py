@@ -7,6 +7,8 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite runs on CPU: Triton kernels run in its interpreter, which must be chosen before triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402

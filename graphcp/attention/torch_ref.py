@@ -2,7 +2,8 @@
 
 Contract shared by every kernel: queries ``q`` [T, Hq, D] grouped into sequences by ``cu_seqlens_q``; each
 sequence reads keys of its page-table row; query i of a sequence sees keys [0, q_limits[i]), which for a
-plain sequence is bottom-right causal (kv_len - q_len + i + 1). GQA: query head h reads kv head h // (Hq/Hkv).
+plain sequence is bottom-right causal (kv_len - q_len + i + 1); limits never decrease within a sequence.
+GQA: query head h reads kv head h // (Hq/Hkv). Rows past the last sequence are written as zeros.
 """
 from __future__ import annotations
 
@@ -20,41 +21,68 @@ class HostLengths:
     workspace: dict = field(default_factory=dict)   # per-forward scratch kernels share across layers
 
 
-def _sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int,
-                     max_q: int, max_kv: int) -> tuple:
-    """Layer-independent gather indices: padded query rows, KV slots and the causal mask."""
+def _group_sequences(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Split the non-empty sequences, sorted by KV length, into at most two groups padded separately:
+    the split with the least padded work (zigzag's short early blocks and long late blocks part), when
+    it saves enough work to pay for the extra launches."""
+    order = sorted((s for s, (q, kv) in enumerate(zip(q_lens, kv_lens)) if q and kv), key=lambda s: kv_lens[s])
+    if len(order) <= 1:
+        return [order] if order else []
+
+    def cost(group: list[int]) -> int:
+        return len(group) * max(q_lens[s] for s in group) * kv_lens[group[-1]] if group else 0
+
+    split = min(range(1, len(order) + 1), key=lambda k: cost(order[:k]) + cost(order[k:]))
+    # A second call costs ~10 more launches (tens of microseconds); take it only when the padding it
+    # saves is worth far more (32k scores per head is about a millisecond of CPU work).
+    if cost(order) - cost(order[:split]) - cost(order[split:]) < 32768:
+        return [order]
+    return [order[:split], order[split:]]
+
+
+def _sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+                     page_size: int) -> list[tuple]:
+    """Layer-independent gather indices per group of sequences: padded query rows, KV slots, causal mask."""
     dev = cu_seqlens_q.device
-    # Graph buffers carry padding requests (empty sequences): drop them before the padded batch is formed.
-    nonempty = torch.nonzero(cu_seqlens_q[1:] > cu_seqlens_q[:-1]).squeeze(1)
-    starts, ends = cu_seqlens_q[:-1][nonempty], cu_seqlens_q[1:][nonempty]
-    q_idx = starts[:, None] + torch.arange(max_q, device=dev)[None, :]                 # [S, max_q]
-    q_valid = q_idx < ends[:, None]
-    q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
-    key_pos = torch.arange(max_kv, device=dev)
-    pages = page_rows[nonempty][:, torch.div(key_pos, page_size, rounding_mode="floor")]
-    slots = pages * page_size + torch.remainder(key_pos, page_size)                     # [S, max_kv]
-    limits = torch.where(q_valid, q_limits[q_idx], torch.ones_like(q_idx))
-    mask = (key_pos[None, None, :] < limits[:, :, None])[:, None]                      # [S, 1, max_q, max_kv]
-    return q_idx, q_valid, q_idx[q_valid], slots, mask
+    cu = cu_seqlens_q.tolist()
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    # Limits never decrease inside a sequence (bottom-right causal), so its last query sees the most keys.
+    kv_lens = [kv if q else 0 for q, kv in zip(q_lens, q_limits[(cu_seqlens_q[1:] - 1).clamp(min=0)].tolist())]
+    layout = []
+    for group in _group_sequences(q_lens, kv_lens):
+        max_q, max_kv = max(q_lens[s] for s in group), max(kv_lens[s] for s in group)
+        seqs = torch.tensor(group, device=dev)
+        q_idx = cu_seqlens_q[seqs][:, None] + torch.arange(max_q, device=dev)[None, :]     # [G, max_q]
+        q_valid = q_idx < cu_seqlens_q[seqs + 1][:, None]
+        q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
+        key_pos = torch.arange(max_kv, device=dev)
+        slots = page_rows[seqs][:, torch.div(key_pos, page_size, rounding_mode="floor")] * page_size + \
+            torch.remainder(key_pos, page_size)                                            # [G, max_kv]
+        limits = torch.where(q_valid, q_limits[q_idx], torch.ones_like(q_idx))
+        mask = (key_pos[None, None, :] < limits[:, :, None])[:, None]                     # [G, 1, max_q, max_kv]
+        layout.append((q_idx, q_valid, q_idx[q_valid], slots, mask))
+    return layout
 
 
 def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
                           max_q: int, max_kv: int, out: torch.Tensor, *, workspace: dict | None = None) -> torch.Tensor:
+    """At most two padded SDPA calls; ``max_q``/``max_kv`` only tell an empty batch apart."""
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
     inputs = (cu_seqlens_q, page_rows, q_limits)
-    key = ("torch", *(id(t) for t in inputs), page_size, max_q, max_kv)
+    key = ("torch", *(id(t) for t in inputs), page_size)
     cached = workspace.get(key) if workspace is not None else None
     if cached is None or any(a is not b for a, b in zip(cached[0], inputs)):
         # The entry keeps its inputs alive, so their ids cannot be reused within the forward.
-        cached = (inputs, _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size, max_q, max_kv))
+        cached = (inputs, _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
         if workspace is not None:
             workspace[key] = cached
-    q_idx, q_valid, rows, slots, mask = cached[1]
-    keys, values = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)         # [S, Hkv, max_kv, D]
-    o = torch.nn.functional.scaled_dot_product_attention(q[q_idx].transpose(1, 2), keys, values, attn_mask=mask,
-                                                         scale=scale, enable_gqa=True)
-    out[rows] = o.transpose(1, 2)[q_valid].to(out.dtype)                                # [S, max_q, Hq, D] rows
+    for q_idx, q_valid, rows, slots, mask in cached[1]:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q_idx].transpose(1, 2), k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2), attn_mask=mask,
+            scale=scale, enable_gqa=True)                                                  # [G, Hq, max_q, D]
+        o = o.transpose(1, 2)[q_valid]
+        out[rows] = o if o.dtype == out.dtype else o.to(out.dtype)
     return out

@@ -52,6 +52,7 @@ class RotaryEmbedding(nn.Module):
         self.config = cfg
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+        self._last: tuple | None = None      # (positions, cos, sin) of the current forward
 
     def build(self, device: torch.device) -> None:
         # Built on the CPU after loading (the module itself may be constructed on the meta device).
@@ -62,8 +63,13 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        # Every layer of a forward passes the same positions tensor: gather cos/sin once, reuse it.
+        cached = self._last
+        if cached is None or cached[0] is not positions or cached[1].dtype != q.dtype:
+            cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
+            sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+            cached = self._last = (positions, cos, sin)
+        _, cos, sin = cached
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
