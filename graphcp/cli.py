@@ -28,9 +28,10 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "graphcp.demo", "bench": "graphcp.bench", "profile": "graphcp.profile_cmd"}
+    commands = {"demo": "graphcp.demo", "bench": "graphcp.bench", "profile": "graphcp.profile_cmd",
+                "soak": "graphcp.soak"}
     if not argv or argv[0] not in commands:
-        print("usage: graphcp {demo,bench,profile} [engine flags]   (graphcp CMD --help for details)")
+        print("usage: graphcp {demo,bench,profile,soak} [engine flags]   (graphcp CMD --help for details)")
         return 2
     import importlib
     module = importlib.import_module(commands[argv[0]])

@@ -153,7 +153,7 @@ class Engine:
                 self.close()
                 raise ConfigError(errors[0][1])
             self._dead = "; ".join(p.splitlines()[0] for _, p in errors)
-            self.close()
+            self.close(graceful=False)
             raise EngineDeadError(f"graphcp engine is unusable and was shut down: {self._dead}\n{errors[0][1]}")
         return replies
 
@@ -213,21 +213,35 @@ class Engine:
         """Collectives rank 0 has issued so far (all-gathers of K/V, last-token all-reduces)."""
         return self._call("counters")
 
-    def close(self) -> None:
+    def rank_memory(self) -> list[int]:
+        """Resident memory of each rank process in bytes (this process when the rank runs in-process)."""
+        pids = [proc.popen.pid for proc, _ in self._workers] or [os.getpid()]
+        sizes = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    sizes.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+            except OSError:
+                sizes.append(0)
+        return sizes
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every rank; none is left behind. Not graceful after a fault: a stuck rank is not waited on."""
         for proc, conn in self._workers:
             try:
-                if proc.is_alive():
+                if proc.is_alive() and graceful:
                     conn.send(("stop", None))
             except (OSError, BrokenPipeError):
                 pass
+        deadline = time.monotonic() + (10 if graceful else 0)
         for proc, conn in self._workers:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.terminate()
-                proc.join(timeout=5)
+                proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+                proc.join(timeout=5)
             conn.close()
         self._workers = []
         self._runner = None if not self._spmd else self._runner

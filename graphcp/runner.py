@@ -221,6 +221,7 @@ class ModelRunner:
     def stats(self) -> dict:
         return {"kv_tokens_total": self.pages.tokens_total, "kv_tokens_free": self.pages.tokens_free,
                 "graph_buckets": self.graphs.buckets if self.graphs else [],
+                "graph_captures": self.graphs.captures if self.graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.backend,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
                 "capture_failures": self.graphs.failures if self.graphs else {},

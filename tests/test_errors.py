@@ -64,7 +64,8 @@ def test_pickle_checkpoint_is_refused(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("damage,match", [
-    ("huge_vocab", "vocab_size"), ("shape", "shape"), ("missing", "lacks"), ("nan", "NaN"),
+    ("huge_vocab", "vocab_size"), ("huge_layers", "num_hidden_layers"), ("huge_hidden", "hidden_size"),
+    ("shape", "shape"), ("missing", "lacks"), ("nan", "NaN"),
     ("arch", "not supported"), ("extra", "does not use"),
 ])
 def test_hostile_checkpoints(checkpoint, tmp_path, damage, match):
@@ -75,6 +76,10 @@ def test_hostile_checkpoints(checkpoint, tmp_path, damage, match):
     name = "model.layers.0.self_attn.q_proj.weight"
     if damage == "huge_vocab":
         cfg["vocab_size"] = 10**12
+    elif damage == "huge_layers":
+        cfg["num_hidden_layers"] = 10**6
+    elif damage == "huge_hidden":
+        cfg["hidden_size"] = 10**7
     elif damage == "shape":
         weights[name] = weights[name][:, :-1].contiguous()
     elif damage == "missing":

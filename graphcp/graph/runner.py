@@ -83,6 +83,7 @@ class GraphRunner:
         self.vocab_size = vocab_size
         self.graphs: dict[int, BreakableGraph] = {}
         self.records: dict[int, BucketRecord] = {}
+        self.captures = 0                 # capture attempts so far: stays constant while serving
         self.agree = agree            # all-rank AND of a flag, so every rank keeps the same buckets
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
@@ -111,6 +112,7 @@ class GraphRunner:
         return [self.records[b] for b in sorted(self.records)]
 
     def capture(self, bucket: int) -> BucketRecord:
+        self.captures += 1
         t0, m0 = time.perf_counter(), _memory(self.device)
         error = None
         try:
