@@ -26,6 +26,8 @@ class PrefillOutput:
     cp_applied: bool                       # False when the batch ran without token sharding
     per_rank_tokens: list[int] = field(default_factory=list)
     host_ops: int | None = None            # ops launched outside captured segments (when counted)
+    request_indices: list[int] | None = None   # internal: the batch positions one DP group answered for
+    dp_group: int = 0
 
 
 def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[list[str], list[torch.Tensor]]:

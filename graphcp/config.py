@@ -77,10 +77,6 @@ class EngineArgs:
         if self.tp_size % (self.dp_size * self.attn_cp_size):
             raise ConfigError(f"--tp must be divisible by --dp x --attn-cp-size "
                               f"(tp={self.tp_size}, dp={self.dp_size}, attn-cp-size={self.attn_cp_size})")
-        if self.tp_size != self.dp_size * self.attn_cp_size or self.pp_size != 1 or self.dp_size != 1:
-            # Attention TP, DP attention and PP are tracked in the composition issue.
-            raise ConfigError("this build supports --tp == --attn-cp-size with --dp 1 and --pp 1 "
-                              "(attention TP, DP attention and PP are not implemented yet); change --tp/--dp/--pp")
         if self.cuda_graph_buckets is not None:
             if not self.cuda_graph_buckets or any(b < 1 for b in self.cuda_graph_buckets):
                 raise ConfigError("--cuda-graph-buckets must be positive token counts, e.g. 32 64 128")

@@ -18,7 +18,9 @@ from graphcp.batch import PrefillOutput, Request, validate_requests
 from graphcp.config import EngineArgs
 from graphcp.cp.strategy import ContextParallelStrategy, InterleaveStrategy, make_strategy, unsharded
 from graphcp.dist.comm import CPComm
-from graphcp.errors import ConfigError
+from graphcp.dist.topology import Groups, attn_tp_size, build_groups, rank_info
+from graphcp.errors import ConfigError, RequestError
+from graphcp.models.parallel import TPInfo, shard_range
 from graphcp.forward_context import forward_context
 from graphcp.graph.buffers import Descriptors
 from graphcp.graph.capture import OpCounter
@@ -45,12 +47,15 @@ class _Plan:
     per_rank_tokens: list[int]
     bucket: int | None
     eager_reason: str | None
+    indices: list[int]           # positions of these requests in the caller's batch (DP splits batches)
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, rank: int = 0, group: dist.ProcessGroup | None = None,
-                 device: torch.device | None = None, capture_progress: bool = False) -> None:
+    def __init__(self, args: EngineArgs, rank: int = 0, device: torch.device | None = None,
+                 capture_progress: bool = False) -> None:
         self.args, self.rank = args, rank
+        self.me = rank_info(args, rank)
+        groups = build_groups(args, self.me) if args.world_size > 1 else Groups(None, None)
         self.device = device or torch.device(args.resolved_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was requested but no CUDA GPU is visible; use --device cpu")
@@ -62,15 +67,26 @@ class ModelRunner:
             self.kernel_name = "torch"          # the Triton kernel covers head_dim 64 and 128 only
         self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name, self.device)
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
-        self.comm = CPComm(group, args.cp_size, rank) if args.cp_size > 1 else None
+        self.comm = CPComm(groups.cp, args.cp_size, self.me.cp_rank) if args.cp_size > 1 else None
+        atp = attn_tp_size(args)
+        if cfg.num_key_value_heads % atp:
+            raise ConfigError(f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size)) must divide "
+                              f"num_key_value_heads={cfg.num_key_value_heads}")
+        if args.pp_size > cfg.num_hidden_layers:
+            raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
+        self.tp = TPInfo(atp, self.me.attn_tp_rank, groups.attn_tp)
+        self.layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, self.me.pp_rank))
+        self.first_stage, self.last_stage = self.me.pp_rank == 0, self.me.pp_rank == args.pp_size - 1
 
-        self.model = load_model(args.model_path, self.dtype, self.device)
+        self.model = load_model(args.model_path, self.dtype, self.device, self.tp, self.layers)
         tokens = _kv_tokens(args, cfg, self.dtype, self.device)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = min(cfg.max_position_embeddings, tokens)
-        self.pool = KVPool(cfg.num_hidden_layers, num_pages, args.page_size, cfg.num_key_value_heads, cfg.head_dim,
-                           self.dtype, self.device)
-        self.pages = PageTable(num_pages, args.page_size, self.max_context)
+        self.pool = KVPool(len(self.layers), num_pages, args.page_size, cfg.num_key_value_heads // atp, cfg.head_dim,
+                           self.dtype, self.device, layer_offset=self.layers.start)
+        # Every rank mirrors every DP group's page table, so all ranks accept or refuse a batch alike.
+        self.dp_pages = [PageTable(num_pages, args.page_size, self.max_context) for _ in range(args.dp_size)]
+        self.pages = self.dp_pages[self.me.dp_rank]
         self.host = HostLengths()
         self.scale = cfg.head_dim ** -0.5
 
@@ -110,14 +126,21 @@ class ModelRunner:
         """Logits [req_cap, vocab] at each request's last new token (valid on rank 0, and every rank
         for interleave). Tensor ops only, so the same body runs eagerly and inside a captured graph."""
         with nvtx_range("cp_metadata"):
-            meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table, self.rank % strategy.cp_size,
-                                     local_cap, self.args.page_size)
-        input_ids = desc.input_ids.index_select(0, meta.token_index)
+            meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
+                                     self.me.cp_rank % strategy.cp_size, local_cap, self.args.page_size)
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, self.kernel_capturable, self.host,
                                    split_early_late=self.backend == "flashattention" and strategy.name == "zigzag",
                                    scale=self.scale)
         with forward_context(attention):
-            hidden = self.model(input_ids, meta.positions)
+            if self.first_stage:
+                hidden = self.model(desc.input_ids.index_select(0, meta.token_index), meta.positions)
+            else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
+                hidden = torch.empty(local_cap, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(hidden, src=self.rank - self.args.tp_size)
+                hidden = self.model(None, meta.positions, hidden=hidden)
+        if not self.last_stage:
+            dist.send(hidden.contiguous(), dst=self.rank + self.args.tp_size)
+            return None
         rows = hidden.index_select(0, meta.logit_rows)
         if isinstance(strategy, InterleaveStrategy) and strategy.cp_size > 1:
             # The last tokens are spread over ranks: zero the rows this rank does not own and sum.
@@ -139,14 +162,32 @@ class ModelRunner:
         self.host.max_kv = max(p + n for p, n in zip(prefix_lens, extend_lens))
 
     # -- serving ---------------------------------------------------------------------------------
+    def assign_dp(self, rids: list[str], extend_lens: list[int]) -> list[int]:
+        """DP group of each request: where its KV already lives, else the group with the fewest new tokens."""
+        load = [0] * self.args.dp_size
+        groups = []
+        for rid, n in zip(rids, extend_lens):
+            owner = next((g for g, pages in enumerate(self.dp_pages) if rid in pages.requests), None)
+            g = owner if owner is not None else min(range(self.args.dp_size), key=lambda d: (load[d], d))
+            load[g] += n
+            groups.append(g)
+        return groups
+
     def plan(self, requests: list[Request], force_eager: bool = False) -> _Plan:
-        rids, ids = validate_requests(requests, self.model_config.vocab_size)
+        all_rids, all_ids = validate_requests(requests, self.model_config.vocab_size)
+        groups = self.assign_dp(all_rids, [t.numel() for t in all_ids])
+        for g, pages in enumerate(self.dp_pages):          # every group's check, on every rank
+            mine = [i for i, d in enumerate(groups) if d == g]
+            pages.check([all_rids[i] for i in mine], [all_ids[i].numel() for i in mine])
+        indices = [i for i, d in enumerate(groups) if d == self.me.dp_rank]
+        rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
         ext = [t.numel() for t in ids]
-        self.pages.check(rids, ext)
         prefix = [self.pages.prefix_len(r) for r in rids]
         strategy, cp_applied = self.strategy, self.args.cp_size > 1
         if cp_applied and not strategy.applies(ext):
             strategy, cp_applied = unsharded(), False
+        if self.args.dp_size > 1:
+            self.dp_plan = (groups, all_rids, [t.numel() for t in all_ids])
         # Unsharded, every rank holds the whole batch.
         counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.args.cp_size
         bucket, reason = None, self.graph_reason
@@ -162,25 +203,47 @@ class ModelRunner:
                 real = max(counts)
                 bucket, reason = select_bucket(self.graphs.buckets, real, -(-real // strategy.align) * strategy.align,
                                                self.graphs.failures)
-        return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason)
+        return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices)
 
     @torch.inference_mode()
     def prefill(self, requests: list[Request], count_host_ops: bool = False, force_eager: bool = False) -> PrefillOutput:
         plan = self.plan(requests, force_eager)
+        others = self._mirror_other_groups(plan)
         added = self.pages.allocate(plan.rids, plan.extend_lens)
         try:
             with nvtx_range("prefill"):
-                logits, host_ops = self._run(plan, count_host_ops)
-            logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
+                logits, host_ops = self._run(plan, count_host_ops) if plan.rids else (None, 0)
+            if logits is not None:
+                logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
         except BaseException:
             self.pages.rollback(plan.rids, added)
+            for pages, rids, new in others:
+                pages.rollback(rids, new)
             raise
         self.pages.commit(plan.rids, plan.extend_lens)
+        for pages, rids, _ in others:
+            pages.commit(rids, [self._ext_of[r] for r in rids])
+        if logits is None:              # not an output rank (or this DP group got no request)
+            logits = torch.zeros(0, self.model_config.vocab_size)
         return PrefillOutput(
             logits=logits, next_token_ids=logits.argmax(-1).tolist(),
             mode="graph" if plan.bucket is not None else "eager", graph_bucket=plan.bucket,
             eager_reason=plan.eager_reason if plan.bucket is None else None, cp_applied=plan.cp_applied,
-            per_rank_tokens=plan.per_rank_tokens, host_ops=host_ops if count_host_ops else None)
+            per_rank_tokens=plan.per_rank_tokens, host_ops=host_ops if count_host_ops else None,
+            request_indices=plan.indices, dp_group=self.me.dp_rank)
+
+    def _mirror_other_groups(self, plan: _Plan) -> list[tuple[PageTable, list[str], list[list[int]]]]:
+        """Allocate the other DP groups' requests in this rank's mirrors of their page tables."""
+        if self.args.dp_size == 1:
+            return []
+        groups, rids, ext = self.dp_plan
+        self._ext_of = dict(zip(rids, ext))
+        out = []
+        for g, pages in enumerate(self.dp_pages):
+            if g != self.me.dp_rank:
+                mine = [r for r, d in zip(rids, groups) if d == g]
+                out.append((pages, mine, pages.allocate(mine, [self._ext_of[r] for r in mine])))
+        return out
 
     def _run(self, plan: _Plan, count_host_ops: bool) -> tuple[torch.Tensor, int]:
         rows = self.pages.rows(plan.rids)
@@ -198,28 +261,37 @@ class ModelRunner:
             host.fill(plan.extend_lens, plan.prefix_lens, rows, plan.ids)
             desc = host.to(self.device) if self.device.type != "cpu" else host
             logits = self.forward(desc, strategy, local_cap)
-        return logits[:n], counter.count
+        return (None if logits is None else logits[:n]), counter.count
 
     @torch.inference_mode()
-    def kv_cache(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        from graphcp.errors import RequestError
+    def kv_cache(self, rid: str) -> dict | None:
+        """This rank's part of a request's KV: its pipeline stage's layers and its attention-TP heads
+        (None when another DP group holds the request). The engine assembles the parts."""
+        if not any(rid in pages.requests for pages in self.dp_pages):
+            raise RequestError(f"request {rid!r} is unknown: it holds no cached KV")
         state = self.pages.requests.get(rid)
         if state is None:
-            raise RequestError(f"request {rid!r} is unknown: it holds no cached KV")
+            return None
         ps = self.args.page_size
         pos = torch.arange(state.cached_len)
         slots = (torch.tensor(state.pages, dtype=torch.long)[pos // ps] * ps + pos % ps).to(self.device)
-        out = []
-        for layer in range(self.model_config.num_hidden_layers):
+        layers = []
+        for layer in self.layers:
             k, v = self.pool.read(layer, slots)
-            out.append((k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()))
-        return out
+            layers.append((k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()))
+        return {"first_layer": self.layers.start, "attn_tp_rank": self.me.attn_tp_rank, "cp_rank": self.me.cp_rank,
+                "layers": layers}
 
     def release(self, rid: str) -> None:
-        self.pages.release(rid)
+        owner = next((pages for pages in self.dp_pages if rid in pages.requests), None)
+        if owner is None:
+            raise RequestError(f"request {rid!r} is unknown: nothing to release")
+        owner.release(rid)
 
     def stats(self) -> dict:
-        return {"kv_tokens_total": self.pages.tokens_total, "kv_tokens_free": self.pages.tokens_free,
+        return {"kv_tokens_total": sum(p.tokens_total for p in self.dp_pages),
+                "kv_tokens_free": sum(p.tokens_free for p in self.dp_pages),
+                "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
                 "graph_buckets": self.graphs.buckets if self.graphs else [],
                 "graph_captures": self.graphs.captures if self.graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.backend,

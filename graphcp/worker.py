@@ -44,7 +44,7 @@ def worker_main(rank: int, world: int, args: EngineArgs, init_method: str, conn:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_group(args, rank, world, init_method)
-        runner = ModelRunner(args, rank, dist.group.WORLD, rank_device(args, rank), capture_progress=rank == 0)
+        runner = ModelRunner(args, rank, rank_device(args, rank), capture_progress=rank == 0)
     except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("config_error", str(e)) if isinstance(e, ConfigError) else ("error", _describe(e)))
         return
@@ -74,14 +74,15 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
                 requests, count_ops, force_eager = payload
                 out = runner.prefill(requests, count_host_ops=count_ops, force_eager=force_eager)
                 # Plain bytes, not torch's shared-memory tensor passing: cheaper for a few logit rows.
-                result = dataclasses.replace(out, logits=out.logits.numpy()) if rank == 0 else None
+                answers = runner.me.is_output and runner.last_stage
+                result = dataclasses.replace(out, logits=out.logits.numpy()) if answers else None
             elif cmd == "kv_cache":
-                result = runner.kv_cache(payload) if rank == 0 else None
+                result = runner.kv_cache(payload)
             elif cmd == "release":
                 runner.release(payload)
                 result = None
             elif cmd == "stats":
-                result = runner.stats() if rank == 0 else None
+                result = runner.stats()
             elif cmd == "counters":
                 comm = runner.comm
                 result = {"all_gathers": comm.num_all_gathers if comm else 0,

@@ -25,14 +25,22 @@ def _triton_kv_write():
 
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, layer_offset: int = 0) -> None:
         self.num_pages, self.page_size = num_pages, page_size
+        self.layer_offset = layer_offset     # a pipeline stage stores layers [offset, offset + num_layers)
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._triton_write = _triton_kv_write() if self.k.device.type == "cuda" else None
 
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.k[layer - self.layer_offset]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.v[layer - self.layer_offset]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        layer -= self.layer_offset
         if self._triton_write is not None:
             self._triton_write(self.k[layer], self.v[layer], slots, k, v)
             return
@@ -40,7 +48,7 @@ class KVPool:
         self.v[layer].index_copy_(0, slots, v)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        return self.keys(layer).index_select(0, slots), self.values(layer).index_select(0, slots)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

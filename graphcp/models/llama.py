@@ -1,4 +1,8 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), HF weight names."""
+"""Llama-family causal LM (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), HF weight names.
+
+Heads, MLP features and the vocabulary are split over the attention TP group (``TPInfo``); a pipeline
+stage builds only its layers (``layers``), the first stage the embedding, the last the norm and LM head.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,18 +10,21 @@ from torch import nn
 
 from graphcp.forward_context import current_attention
 from graphcp.models.config import ModelConfig
-from graphcp.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from graphcp.models.layers import RMSNorm, RotaryEmbedding
+from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo, VocabEmbedding, vocab_logits
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.layer_id, self.head_dim = layer_id, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        d = cfg.head_dim
+        self.q_proj = ColumnLinear(cfg.hidden_size, cfg.q_size, cfg.qkv_bias, tp, unit=d)
+        self.k_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
+        self.v_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
+        self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, tp, unit=d)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -35,13 +42,24 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
+        super().__init__()
+        self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
+        self.up_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
+        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer_id, rotary)
+        self.self_attn = SelfAttention(cfg, layer_id, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = GatedMLP(cfg, tp)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h))
@@ -49,30 +67,46 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPInfo, layers: range) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
+        if first:
+            self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # Keyed by the global index, so names stay "model.layers.{i}.*" on every pipeline stage.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, rotary, tp) for i in layers})
+        if last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None) -> None:
         super().__init__()
-        self.config = cfg
+        tp = tp or TPInfo()
+        self.config, self.tp = cfg, tp
+        self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == cfg.num_hidden_layers
         self.rotary = RotaryEmbedding(cfg)
-        self.model = Backbone(cfg, self.rotary)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Backbone(cfg, self.rotary, tp, self.layer_range)
+        if self.is_last and not (cfg.tie_word_embeddings and self.is_first):
+            # Untied, or tied on a last stage without the embedding: the head loads its own vocab shard.
+            self.lm_head = ColumnLinear(cfg.hidden_size, cfg.vocab_size, False, tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Residual stream for this rank's tokens, before the final norm: [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual stream for this rank's tokens after this stage's layers, before the final norm."""
+        h = self.model.embed_tokens(input_ids) if self.is_first else hidden
+        for layer in self.model.layers.values():
             h = layer(positions, h)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head, applied only to the rows that need logits (norm is per row)."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(self.model.norm(hidden), weight).float()
+        """Final norm and LM head (last stage), applied only to the rows that need logits."""
+        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
+        return vocab_logits(self.model.norm(hidden), head.weight, self.tp, self.config.vocab_size).float()
+
+    def source_name(self, name: str) -> str:
+        """The checkpoint tensor a parameter loads from (a tied head reads the embedding)."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name

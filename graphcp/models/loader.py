@@ -1,4 +1,8 @@
-"""Load an HF checkpoint (config.json + safetensors, sharded or not) into a CausalLM. Never unpickles."""
+"""Load an HF checkpoint (config.json + safetensors, sharded or not) into a CausalLM. Never unpickles.
+
+The whole checkpoint is validated (names, shapes) against the full model first; then each rank reads only
+the tensors of its pipeline stage and only its tensor-parallel slice of each.
+"""
 from __future__ import annotations
 
 import json
@@ -10,6 +14,7 @@ from safetensors import safe_open
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.llama import CausalLM
+from graphcp.models.parallel import TPInfo
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -34,30 +39,37 @@ def _weight_files(model_path: str) -> dict[str, str]:
     return files
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
+               layers: range | None = None) -> CausalLM:
     cfg = read_model_config(model_path)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     files = _weight_files(model_path)
-    _check_names_and_shapes(cfg, expected, files)
+    with torch.device("meta"):
+        full = CausalLM(cfg)
+        model = CausalLM(cfg, tp, layers)
+    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files)
     model = model.to_empty(device=device).to(dtype)
     params = model.state_dict()
-    by_file: dict[str, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
+    shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
+              for p in ("weight", "bias") if getattr(mod, p, None) is not None}
     with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for name in names:
-                    tensor = f.get_tensor(name)
-                    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                        raise ConfigError(f"--model-path: tensor {name} holds NaN or Inf values")
-                    params[name].copy_(tensor)
+        for name, param in params.items():
+            source = model.source_name(name)
+            with safe_open(files[source], framework="pt") as f:
+                tensor = _read(f.get_slice(source), shards.get(name))
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
+            param.copy_(tensor)
     model.rotary.build(device)
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001
+    if shard is None:
+        return tensor_slice[:]
+    dim, start, end = shard
+    return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
 
 
 def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files: dict[str, str]) -> None:

@@ -1,0 +1,85 @@
+"""Tensor-parallel layers over the attention TP group: each rank builds and loads only its shard.
+
+With a group of size 1 they are plain Linear/Embedding layers. Shards are contiguous ranges of the HF
+tensor (whole heads for attention projections); the loader reads just that range from safetensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+
+def shard_range(total: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """Rank's [start, end) of ``total`` rows, split in whole ``unit``s; the last shard may be shorter."""
+    units = total // unit
+    per = -(-units // size)
+    start = min(units, rank * per)
+    return start * unit, min(units, start + per) * unit
+
+
+class ColumnLinear(nn.Linear):
+    """Output features split across the group; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, unit: int = 1) -> None:
+        start, end = shard_range(out_features, tp.size, tp.rank, unit)
+        super().__init__(in_features, end - start, bias=bias)
+        self.shard = (0, start, end)
+
+
+class RowLinear(nn.Linear):
+    """Input features split across the group; partial outputs are summed over the group."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo, unit: int = 1) -> None:
+        start, end = shard_range(in_features, tp.size, tp.rank, unit)
+        super().__init__(end - start, out_features, bias=False)
+        self.shard = (1, start, end)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.tp.size > 1:
+            dist.all_reduce(y, group=self.tp.group)
+        return y
+
+
+class VocabEmbedding(nn.Embedding):
+    """Vocabulary rows split across the group: each rank embeds the ids it owns, the group sums."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo) -> None:
+        start, end = shard_range(vocab_size, tp.size, tp.rank)
+        super().__init__(end - start, hidden)
+        self.shard, self.tp, self.vocab_size = (0, start, end), tp, vocab_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        _, start, end = self.shard
+        owned = (ids >= start) & (ids < end)
+        out = super().forward(torch.where(owned, ids - start, torch.zeros_like(ids)))
+        out = out * owned[:, None].to(out.dtype)
+        dist.all_reduce(out, group=self.tp.group)
+        return out
+
+
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPInfo, vocab_size: int) -> torch.Tensor:
+    """LM head over a vocabulary-split weight: local logits, gathered along the vocabulary."""
+    logits = nn.functional.linear(hidden, weight)
+    if tp.size == 1:
+        return logits
+    per = -(-vocab_size // tp.size)
+    padded = torch.zeros(hidden.shape[0], per, dtype=logits.dtype, device=logits.device)
+    padded[:, :logits.shape[1]] = logits
+    gathered = [torch.empty_like(padded) for _ in range(tp.size)]
+    dist.all_gather(gathered, padded, group=tp.group)
+    return torch.cat(gathered, dim=1)[:, :vocab_size]
