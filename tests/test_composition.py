@@ -1,0 +1,55 @@
+"""CP composed with pipeline stages, attention TP and data-parallel attention: equal to HF, with each rank
+holding only its shard of the weights."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from graphcp import ConfigError, Engine, EngineArgs
+from graphcp.dist.topology import rank_info, rank_map
+from parity import Session, random_ids
+
+VOCAB = 211
+LAYOUTS = {
+    "pp2-cp2": dict(tp_size=2, pp_size=2, attn_cp_size=2),
+    "tp4-cp2-attn_tp2": dict(tp_size=4, attn_cp_size=2),
+    "dp2-cp2-tp4": dict(tp_size=4, dp_size=2, attn_cp_size=2),
+}
+
+
+def test_rank_map():
+    args = SimpleNamespace(tp_size=4, dp_size=2, pp_size=2, cp_size=2, world_size=8)   # topology reads sizes only
+    info = [rank_info(args, r) for r in range(8)]
+    assert [(i.pp_rank, i.dp_rank, i.cp_rank, i.attn_tp_rank) for i in info[:4]] == \
+        [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 0)]
+    assert info[5].pp_rank == 1 and info[5].cp_rank == 1
+    assert "rank map" in rank_map(args)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_composition_matches_hf(checkpoint, engines, oracle, name):
+    engine = engines.get(checkpoint, enable_prefill_cp=True, cp_strategy="zigzag", **LAYOUTS[name])
+    s = Session(engine, oracle, checkpoint)
+    out = s.run([("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2)), ("c", random_ids(20, VOCAB, 3))])
+    assert out.mode == "eager" and out.eager_reason and out.cp_applied
+    s.run([("b", random_ids(12, VOCAB, 4)), ("d", random_ids(30, VOCAB, 5))])      # chunked + new
+    s.run([("short", random_ids(2, VOCAB, 6))])                                        # unsharded fallback
+    stats = engine.stats()
+    per_rank = stats["weight_bytes_per_rank"]
+    one = engines.get(checkpoint, disable_cuda_graph=True).stats()["weight_bytes"]
+    if name == "dp2-cp2-tp4":
+        assert all(b == one for b in per_rank)          # DP and CP replicate; nothing is split
+    else:
+        assert max(per_rank) < 0.62 * one, per_rank     # each rank loads only its shard
+    s.release_all()
+    assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(tp_size=4), "--tp"),                                                     # attention TP 4 > 2 KV heads
+    (dict(tp_size=2, pp_size=3, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag"), "--pp"),
+])
+def test_invalid_compositions(checkpoint, kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        Engine(EngineArgs(model_path=checkpoint, max_total_tokens=1024, **kwargs))
