@@ -38,7 +38,7 @@ def run_loop(engine, batches, progress: bool = True):  # noqa: ANN001
         out = engine.prefill([Request(rid, ids) for rid, ids in batch])
         ms = (time.perf_counter() - t0) * 1e3
         tokens = sum(len(ids) for _, ids in batch)
-        for i, (rid, ids) in enumerate(batch):
+        for rid, ids in batch:
             rows.append((rid, len(ids), cached.get(rid, 0), out.mode, out.graph_bucket, ms, tokens / ms * 1e3))
             cached[rid] = cached.get(rid, 0) + len(ids)
         logits.append(out.logits)

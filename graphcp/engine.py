@@ -112,7 +112,7 @@ class Engine:
                     p.kill()
                 raise EngineDeadError(f"graphcp ranks failed to start: {e}") from e
         self._workers = [(_Proc(procs[r]), conns[r]) for r in range(world)]
-        for rank, (_, conn) in enumerate(self._workers):
+        for _, conn in self._workers:
             conn.send(("init", (world, self.args, init, os.getpid())))
         try:
             replies = self._collect(timeout=max(600.0, self.args.rank_timeout_s))

@@ -10,14 +10,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from graphcp.attention.op import PagedAttention, kernel_fn, resolve_kernel
 from graphcp.attention.torch_ref import HostLengths
 from graphcp.batch import PrefillOutput, Request, validate_requests
 from graphcp.config import EngineArgs
 from graphcp.cp.strategy import ContextParallelStrategy, InterleaveStrategy, make_strategy, unsharded
-from graphcp.dist.comm import CPComm
+from graphcp.dist.comm import CPComm, all_reduce, recv, send
 from graphcp.dist.topology import Groups, attn_tp_size, build_groups, rank_info
 from graphcp.errors import ConfigError, RequestError
 from graphcp.models.parallel import TPInfo, shard_range
@@ -118,7 +117,7 @@ class ModelRunner:
         if self.comm is None:
             return ok
         flag = torch.tensor([0 if ok else 1], dtype=torch.long, device=self.device)
-        dist.all_reduce(flag, group=self.comm.group)
+        all_reduce(flag, self.comm.group)
         return int(flag.item()) == 0
 
     # -- the forward (eager, and the body every graph captures) ----------------------------------
@@ -136,10 +135,10 @@ class ModelRunner:
                 hidden = self.model(desc.input_ids.index_select(0, meta.token_index), meta.positions)
             else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
                 hidden = torch.empty(local_cap, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
-                dist.recv(hidden, src=self.rank - self.args.tp_size)
+                recv(hidden, src=self.rank - self.args.tp_size)
                 hidden = self.model(None, meta.positions, hidden=hidden)
         if not self.last_stage:
-            dist.send(hidden.contiguous(), dst=self.rank + self.args.tp_size)
+            send(hidden, dst=self.rank + self.args.tp_size)
             return None
         rows = hidden.index_select(0, meta.logit_rows)
         if isinstance(strategy, InterleaveStrategy) and strategy.cp_size > 1:

@@ -25,17 +25,53 @@ class CPComm:
         return (_all_reduce if self.capturable else _all_reduce_break)(self, t)
 
 
+def _staged(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """gloo moves host memory: CUDA tensors (ranks sharing one GPU) go through a host copy."""
+    return t.is_cuda and dist.get_backend(group) != "nccl"
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if _staged(out, group):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        _gather_into(host, inp.cpu().contiguous(), group=group)
+        return out.copy_(host)
+    _gather_into(out, inp.contiguous(), group=group)
+    return out
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if _staged(t, group):
+        host = t.cpu()
+        dist.all_reduce(host, group=group)
+        return t.copy_(host)
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    dist.send(t.cpu() if _staged(t, None) else t.contiguous(), dst=dst)
+
+
+def recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    if _staged(t, None):
+        host = torch.empty(t.shape, dtype=t.dtype)
+        dist.recv(host, src=src)
+        return t.copy_(host)
+    dist.recv(t, src=src)
+    return t
+
+
 def _all_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     with nvtx_range("all_gather_kv"):
         comm.num_all_gathers += 1
-        _gather_into(out, inp.contiguous(), group=comm.group)
+        all_gather_into(out, inp, comm.group)
     return out
 
 
 def _all_reduce(comm: CPComm, t: torch.Tensor) -> torch.Tensor:
     with nvtx_range("all_reduce"):
         comm.num_all_reduces += 1
-        dist.all_reduce(t, group=comm.group)
+        all_reduce(t, comm.group)
     return t
 
 

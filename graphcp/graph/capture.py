@@ -330,7 +330,7 @@ def _plan_drops(g: BreakableGraph) -> None:
             for ni, node in enumerate(item.nodes):
                 for ref in [r for _, _, r in node[3]] + [r for _, r in node[4]]:
                     last[ref] = (si, ni)
-    for si, item in enumerate(g.items):
+    for item in g.items:
         if not isinstance(item, _Break):
             item.drops = [[] for _ in item.nodes]
     for ref, (si, ni) in last.items():

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from graphcp.dist.comm import all_gather_into, all_reduce
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class RowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.tp.size > 1:
-            dist.all_reduce(y, group=self.tp.group)
+            all_reduce(y, self.tp.group)
         return y
 
 
@@ -68,8 +69,7 @@ class VocabEmbedding(nn.Embedding):
         owned = (ids >= start) & (ids < end)
         out = super().forward(torch.where(owned, ids - start, torch.zeros_like(ids)))
         out = out * owned[:, None].to(out.dtype)
-        dist.all_reduce(out, group=self.tp.group)
-        return out
+        return all_reduce(out, self.tp.group)
 
 
 def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPInfo, vocab_size: int) -> torch.Tensor:
@@ -80,6 +80,6 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPInfo, vocab_s
     per = -(-vocab_size // tp.size)
     padded = torch.zeros(hidden.shape[0], per, dtype=logits.dtype, device=logits.device)
     padded[:, :logits.shape[1]] = logits
-    gathered = [torch.empty_like(padded) for _ in range(tp.size)]
-    dist.all_gather(gathered, padded, group=tp.group)
-    return torch.cat(gathered, dim=1)[:, :vocab_size]
+    gathered = padded.new_empty((tp.size * padded.shape[0], per))
+    all_gather_into(gathered, padded, tp.group)                       # [size * R, per], rank-major
+    return gathered.view(tp.size, -1, per).transpose(0, 1).reshape(padded.shape[0], -1)[:, :vocab_size]
