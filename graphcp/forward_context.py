@@ -16,17 +16,41 @@ class AttentionOp(Protocol):
         """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]."""
 
 
+class Communicator(Protocol):
+    """Moves activations between the attention layout and the FFN layout (a layer communicator)."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def scatter(self, y: torch.Tensor, rows: int) -> torch.Tensor: ...
+
+
+class _SameLayout:
+    """FFN and attention hold the same tokens: nothing to move."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def scatter(self, y: torch.Tensor, rows: int) -> torch.Tensor:
+        return y
+
+
 _current: AttentionOp | None = None
+_communicator: Communicator = _SameLayout()
 
 
 @contextlib.contextmanager
-def forward_context(attention: AttentionOp) -> Iterator[None]:
-    global _current
-    previous, _current = _current, attention
+def forward_context(attention: AttentionOp, communicator: Communicator | None = None) -> Iterator[None]:
+    global _current, _communicator
+    previous = (_current, _communicator)
+    _current, _communicator = attention, communicator or _SameLayout()
     try:
         yield
     finally:
-        _current = previous
+        _current, _communicator = previous
+
+
+def current_communicator() -> Communicator:
+    return _communicator
 
 
 def current_attention() -> AttentionOp:

@@ -16,7 +16,7 @@ from graphcp.attention.torch_ref import HostLengths
 from graphcp.batch import PrefillOutput, Request, validate_requests
 from graphcp.config import EngineArgs
 from graphcp.cp.strategy import ContextParallelStrategy, InterleaveStrategy, make_strategy, unsharded
-from graphcp.dist.comm import CPComm, all_reduce, recv, send
+from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce, recv, send
 from graphcp.dist.topology import Groups, attn_tp_size, build_groups, rank_info
 from graphcp.errors import ConfigError, RequestError
 from graphcp.models.parallel import TPInfo, shard_range
@@ -47,6 +47,7 @@ class _Plan:
     bucket: int | None
     eager_reason: str | None
     indices: list[int]           # positions of these requests in the caller's batch (DP splits batches)
+    local_cap: int               # rows of this rank's padded buffers (eager)
 
 
 class ModelRunner:
@@ -74,10 +75,16 @@ class ModelRunner:
         if args.pp_size > cfg.num_hidden_layers:
             raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
         self.tp = TPInfo(atp, self.me.attn_tp_rank, groups.attn_tp)
+        tp_rank = rank % args.tp_size
+        ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp)
+        # The dense FFN is split over the whole TP world; when that is wider than attention TP, a layer
+        # communicator gathers every CP/DP rank's tokens before it and hands each rank its rows after.
+        self.communicator = (FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp)
+                             if args.tp_size > atp else None)
         self.layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, self.me.pp_rank))
         self.first_stage, self.last_stage = self.me.pp_rank == 0, self.me.pp_rank == args.pp_size - 1
 
-        self.model = load_model(args.model_path, self.dtype, self.device, self.tp, self.layers)
+        self.model = load_model(args.model_path, self.dtype, self.device, self.tp, self.layers, ffn_tp)
         tokens = _kv_tokens(args, cfg, self.dtype, self.device)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = min(cfg.max_position_embeddings, tokens)
@@ -130,7 +137,7 @@ class ModelRunner:
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, self.kernel_capturable, self.host,
                                    split_early_late=self.backend == "flashattention" and strategy.name == "zigzag",
                                    scale=self.scale)
-        with forward_context(attention):
+        with forward_context(attention, self.communicator):
             if self.first_stage:
                 hidden = self.model(desc.input_ids.index_select(0, meta.token_index), meta.positions)
             else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
@@ -153,12 +160,12 @@ class ModelRunner:
         rank = self.rank % c
         self.host.workspace.clear()
         if strategy.name == "zigzag":
-            self.host.max_q = max(-(-n // (2 * c)) for n in extend_lens)
+            self.host.max_q = max((-(-n // (2 * c)) for n in extend_lens), default=0)
             self.host.early_rows = sum(n // (2 * c) + (rank < n % (2 * c)) for n in extend_lens)
         else:
-            self.host.max_q = max(-(-n // c) for n in extend_lens)
+            self.host.max_q = max((-(-n // c) for n in extend_lens), default=0)
             self.host.early_rows = 0
-        self.host.max_kv = max(p + n for p, n in zip(prefix_lens, extend_lens))
+        self.host.max_kv = max((p + n for p, n in zip(prefix_lens, extend_lens)), default=0)
 
     # -- serving ---------------------------------------------------------------------------------
     def assign_dp(self, rids: list[str], extend_lens: list[int]) -> list[int]:
@@ -185,8 +192,12 @@ class ModelRunner:
         strategy, cp_applied = self.strategy, self.args.cp_size > 1
         if cp_applied and not strategy.applies(ext):
             strategy, cp_applied = unsharded(), False
+        all_ext = [t.numel() for t in all_ids]
         if self.args.dp_size > 1:
-            self.dp_plan = (groups, all_rids, [t.numel() for t in all_ids])
+            self.dp_plan = (groups, all_rids, all_ext)
+        # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
+        local_cap = max(self._local_cap([n for n, d in zip(all_ext, groups) if d == g])
+                        for g in range(self.args.dp_size))
         # Unsharded, every rank holds the whole batch.
         counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.args.cp_size
         bucket, reason = None, self.graph_reason
@@ -202,7 +213,15 @@ class ModelRunner:
                 real = max(counts)
                 bucket, reason = select_bucket(self.graphs.buckets, real, -(-real // strategy.align) * strategy.align,
                                                self.graphs.failures)
-        return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices)
+        return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices, local_cap)
+
+    def _local_cap(self, extend_lens: list[int]) -> int:
+        """Rows of one rank's padded buffers for a DP group's requests (>= 1 so empty groups can join)."""
+        if not extend_lens:
+            return 1
+        if self.args.cp_size > 1 and self.strategy.applies(extend_lens):
+            return self.strategy.local_capacity(extend_lens)
+        return sum(extend_lens)
 
     @torch.inference_mode()
     def prefill(self, requests: list[Request], count_host_ops: bool = False, force_eager: bool = False) -> PrefillOutput:
@@ -211,7 +230,9 @@ class ModelRunner:
         added = self.pages.allocate(plan.rids, plan.extend_lens)
         try:
             with nvtx_range("prefill"):
-                logits, host_ops = self._run(plan, count_host_ops) if plan.rids else (None, 0)
+                # A DP group without requests still joins the FFN collectives when there are any.
+                run = plan.rids or self.communicator is not None
+                logits, host_ops = self._run(plan, count_host_ops) if run else (None, 0)
             if logits is not None:
                 logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
         except BaseException:
@@ -251,16 +272,17 @@ class ModelRunner:
             return self.graphs.replay(plan.bucket, plan.extend_lens, plan.prefix_lens, rows, plan.ids,
                                       count_host_ops=count_host_ops)
         n = len(plan.rids)
+        ext, prefix, ids = plan.extend_lens, plan.prefix_lens, plan.ids
+        if n == 0:   # an empty DP group: one zero-length padding request
+            ext, prefix, rows, ids = [0], [0], [[]], [torch.zeros(0, dtype=torch.long)]
         pages_cap = max(1, max(len(r) for r in rows))
-        strategy = plan.strategy
-        local_cap = strategy.local_capacity(plan.extend_lens) if plan.cp_applied else sum(plan.extend_lens)
         counter = OpCounter() if count_host_ops else _NullCounter()
         with counter:
-            host = Descriptors.allocate(n, pages_cap, sum(plan.extend_lens))
-            host.fill(plan.extend_lens, plan.prefix_lens, rows, plan.ids)
+            host = Descriptors.allocate(len(ext), pages_cap, max(1, sum(ext)))
+            host.fill(ext, prefix, rows, ids)
             desc = host.to(self.device) if self.device.type != "cpu" else host
-            logits = self.forward(desc, strategy, local_cap)
-        return (None if logits is None else logits[:n]), counter.count
+            logits = self.forward(desc, plan.strategy, plan.local_cap)
+        return (None if logits is None or n == 0 else logits[:n]), counter.count
 
     @torch.inference_mode()
     def kv_cache(self, rid: str) -> dict | None:

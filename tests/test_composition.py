@@ -38,10 +38,9 @@ def test_composition_matches_hf(checkpoint, engines, oracle, name):
     stats = engine.stats()
     per_rank = stats["weight_bytes_per_rank"]
     one = engines.get(checkpoint, disable_cuda_graph=True).stats()["weight_bytes"]
-    if name == "dp2-cp2-tp4":
-        assert all(b == one for b in per_rank)          # DP and CP replicate; nothing is split
-    else:
-        assert max(per_rank) < 0.62 * one, per_rank     # each rank loads only its shard
+    # Each rank loads only its shard: the FFN is split over the TP world everywhere; heads and vocabulary over
+    # attention TP; layers over stages. With DP x CP only the attention weights stay whole.
+    assert max(per_rank) < (0.8 if name == "dp2-cp2-tp4" else 0.5) * one, (per_rank, one)
     s.release_all()
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
 

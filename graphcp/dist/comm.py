@@ -1,4 +1,5 @@
-"""Collectives of the forward. gloo cannot live inside a CUDA graph, so there they are graph breaks."""
+"""Collectives of the forward. NCCL collectives are captured inside CUDA graphs; gloo ones cannot be, so
+there they are graph breaks, and CUDA tensors (ranks sharing one GPU) travel through host memory."""
 from __future__ import annotations
 
 import torch
@@ -7,31 +8,16 @@ import torch.distributed as dist
 from graphcp.graph.capture import graph_break
 from graphcp.profiling import nvtx_range
 
-
-class CPComm:
-    """The attention CP group of one rank: the padded K/V all-gather and the last-token reduction."""
-
-    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
-        self.group, self.size, self.rank = group, size, rank
-        self.capturable = group is not None and dist.get_backend(group) == "nccl"
-        self.num_all_gathers = 0
-        self.num_all_reduces = 0
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        """out [size * n, ...] <- every rank's inp [n, ...], rank-major."""
-        return (_all_gather if self.capturable else _all_gather_break)(self, out, inp)
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        return (_all_reduce if self.capturable else _all_reduce_break)(self, t)
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics); older torch lacks it.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _staged(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    """gloo moves host memory: CUDA tensors (ranks sharing one GPU) go through a host copy."""
-    return t.is_cuda and dist.get_backend(group) != "nccl"
+def _nccl(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "nccl"
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if _staged(out, group):
+def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if out.is_cuda and not _nccl(group):
         host = torch.empty(out.shape, dtype=out.dtype)
         _gather_into(host, inp.cpu().contiguous(), group=group)
         return out.copy_(host)
@@ -39,8 +25,8 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     return out
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if _staged(t, group):
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if t.is_cuda and not _nccl(group):
         host = t.cpu()
         dist.all_reduce(host, group=group)
         return t.copy_(host)
@@ -48,12 +34,28 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     return t
 
 
+_all_gather_break = graph_break(_all_gather_into)
+_all_reduce_break = graph_break(_all_reduce)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """out [size * n, ...] <- every rank's inp [n, ...], rank-major."""
+    with nvtx_range("all_gather"):
+        return (_all_gather_into if _nccl(group) else _all_gather_break)(out, inp, group)
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place sum over the group."""
+    with nvtx_range("all_reduce"):
+        return (_all_reduce if _nccl(group) else _all_reduce_break)(t, group)
+
+
 def send(t: torch.Tensor, dst: int) -> None:
-    dist.send(t.cpu() if _staged(t, None) else t.contiguous(), dst=dst)
+    dist.send(t.cpu() if t.is_cuda and not _nccl(None) else t.contiguous(), dst=dst)
 
 
 def recv(t: torch.Tensor, src: int) -> torch.Tensor:
-    if _staged(t, None):
+    if t.is_cuda and not _nccl(None):
         host = torch.empty(t.shape, dtype=t.dtype)
         dist.recv(host, src=src)
         return t.copy_(host)
@@ -61,21 +63,59 @@ def recv(t: torch.Tensor, src: int) -> torch.Tensor:
     return t
 
 
-def _all_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+class CPComm:
+    """The attention CP group of one rank: the padded K/V all-gather and the last-token reduction,
+    counted so tests can check one K/V collective per layer."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        self.capturable = group is not None and _nccl(group)
+        self.num_all_gathers = 0
+        self.num_all_reduces = 0
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        return (_kv_gather if self.capturable else _kv_gather_break)(self, out, inp)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return (_rows_reduce if self.capturable else _rows_reduce_break)(self, t)
+
+
+# The counters live inside the (break) functions, so a graph replay counts its collectives too.
+def _kv_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    comm.num_all_gathers += 1
     with nvtx_range("all_gather_kv"):
-        comm.num_all_gathers += 1
-        all_gather_into(out, inp, comm.group)
-    return out
+        return _all_gather_into(out, inp, comm.group)
 
 
-def _all_reduce(comm: CPComm, t: torch.Tensor) -> torch.Tensor:
-    with nvtx_range("all_reduce"):
-        comm.num_all_reduces += 1
-        all_reduce(t, comm.group)
-    return t
+def _rows_reduce(comm: CPComm, t: torch.Tensor) -> torch.Tensor:
+    comm.num_all_reduces += 1
+    with nvtx_range("all_reduce_last_tokens"):
+        return _all_reduce(t, comm.group)
 
 
-_all_gather_break = graph_break(_all_gather)
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics); older torch lacks it.
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_all_reduce_break = graph_break(_all_reduce)
+_kv_gather_break = graph_break(_kv_gather)
+_rows_reduce_break = graph_break(_rows_reduce)
+
+
+class FFNCommunicator:
+    """Bridges the attention layout (this rank's CP-local tokens, shared by its attention-TP peers) and the
+    FFN layout (every token of the TP world, FFN weights split over the whole TP world).
+
+    gather: all-gather each rank's rows over the TP world, keeping one copy per attention-TP group.
+    scatter: after the FFN's all-reduce every rank holds all rows; it keeps its own block."""
+
+    def __init__(self, group: dist.ProcessGroup | None, tp_size: int, attn_tp_size: int, block: int) -> None:
+        self.group, self.tp_size, self.attn_tp_size, self.block = group, tp_size, attn_tp_size, block
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        out = x.new_empty((self.tp_size * rows,) + x.shape[1:])
+        all_gather_into(out, x, self.group)
+        if self.attn_tp_size == 1:
+            return out
+        blocks = torch.arange(0, self.tp_size, self.attn_tp_size, device=x.device)
+        keep = (blocks[:, None] * rows + torch.arange(rows, device=x.device)[None, :]).reshape(-1)
+        return out.index_select(0, keep)
+
+    def scatter(self, y: torch.Tensor, rows: int) -> torch.Tensor:
+        return y.narrow(0, self.block * rows, rows)

@@ -48,15 +48,24 @@ def rank_of(args: EngineArgs, pp_rank: int, dp_rank: int, cp_rank: int, attn_tp_
 class Groups:
     cp: dist.ProcessGroup | None        # this rank's attention CP group (None when CP is 1)
     attn_tp: dist.ProcessGroup | None   # this rank's attention TP group (None when attention TP is 1)
+    tp: dist.ProcessGroup | None = None  # the TP world of this pipeline stage: the dense FFN's group
 
 
 def build_groups(args: EngineArgs, me: RankInfo) -> Groups:
     """Every rank creates every group, in the same order (torch.distributed requires it)."""
     atp, cp, world = attn_tp_size(args), args.cp_size, args.world_size
     groups = Groups(None, None)
+    if args.tp_size > 1:
+        if args.tp_size == world:
+            groups.tp = dist.group.WORLD
+        else:
+            for pp in range(args.pp_size):
+                g = dist.new_group(list(range(pp * args.tp_size, (pp + 1) * args.tp_size)))
+                if pp == me.pp_rank:
+                    groups.tp = g
     if cp > 1:
         if cp == world:
-            groups.cp = dist.group.WORLD
+            groups.cp = groups.tp
         else:
             for pp in range(args.pp_size):
                 for dp in range(args.dp_size):

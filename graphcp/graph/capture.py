@@ -39,9 +39,14 @@ def graph_break(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _active
         if _active is None:
             return fn(*args, **kwargs)
-        return _active.run_break(fn, args, kwargs)
+        capture, _active = _active, None       # a break runs eagerly, breaks nested inside it too
+        try:
+            return capture.run_break(fn, args, kwargs)
+        finally:
+            _active = capture
 
     return wrapper
 

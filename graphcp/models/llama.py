@@ -1,14 +1,15 @@
 """Llama-family causal LM (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), HF weight names.
 
-Heads, MLP features and the vocabulary are split over the attention TP group (``TPInfo``); a pipeline
-stage builds only its layers (``layers``), the first stage the embedding, the last the norm and LM head.
+Heads and the vocabulary are split over the attention TP group (``tp``), MLP features over the FFN TP
+group (``ffn_tp``, the whole TP world); a pipeline stage builds only its layers (``layers``), the first
+stage the embedding, the last the norm and LM head.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from graphcp.forward_context import current_attention
+from graphcp.forward_context import current_attention, current_communicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.layers import RMSNorm, RotaryEmbedding
 from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo, VocabEmbedding, vocab_logits
@@ -43,6 +44,8 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    """Dense FFN, split over the FFN TP group; the layer communicator brings it the tokens it serves."""
+
     def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
         super().__init__()
         self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
@@ -50,16 +53,20 @@ class GatedMLP(nn.Module):
         self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        comm = current_communicator()
+        rows = x.shape[0]
+        x = comm.gather(x)
+        return comm.scatter(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)), rows)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo,
+                 ffn_tp: TPInfo) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_id, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg, tp)
+        self.mlp = GatedMLP(cfg, ffn_tp)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h))
@@ -67,19 +74,20 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPInfo, layers: range) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPInfo, layers: range, ffn_tp: TPInfo) -> None:
         super().__init__()
         first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
         if first:
             self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # Keyed by the global index, so names stay "model.layers.{i}.*" on every pipeline stage.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, rotary, tp) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, rotary, tp, ffn_tp) for i in layers})
         if last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
+                 ffn_tp: TPInfo | None = None) -> None:
         super().__init__()
         tp = tp or TPInfo()
         self.config, self.tp = cfg, tp
@@ -87,7 +95,7 @@ class CausalLM(nn.Module):
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == cfg.num_hidden_layers
         self.rotary = RotaryEmbedding(cfg)
-        self.model = Backbone(cfg, self.rotary, tp, self.layer_range)
+        self.model = Backbone(cfg, self.rotary, tp, self.layer_range, ffn_tp or tp)
         if self.is_last and not (cfg.tie_word_embeddings and self.is_first):
             # Untied, or tied on a last stage without the embedding: the head loads its own vocab shard.
             self.lm_head = ColumnLinear(cfg.hidden_size, cfg.vocab_size, False, tp)

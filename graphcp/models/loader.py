@@ -40,12 +40,12 @@ def _weight_files(model_path: str) -> dict[str, str]:
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
-               layers: range | None = None) -> CausalLM:
+               layers: range | None = None, ffn_tp: TPInfo | None = None) -> CausalLM:
     cfg = read_model_config(model_path)
     files = _weight_files(model_path)
     with torch.device("meta"):
         full = CausalLM(cfg)
-        model = CausalLM(cfg, tp, layers)
+        model = CausalLM(cfg, tp, layers, ffn_tp)
     _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files)
     model = model.to_empty(device=device).to(dtype)
     params = model.state_dict()

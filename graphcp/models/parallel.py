@@ -1,4 +1,4 @@
-"""Tensor-parallel layers over the attention TP group: each rank builds and loads only its shard.
+"""Tensor-parallel layers: each rank builds and loads only its shard.
 
 With a group of size 1 they are plain Linear/Embedding layers. Shards are contiguous ranges of the HF
 tensor (whole heads for attention projections); the loader reads just that range from safetensors.
