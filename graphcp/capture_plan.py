@@ -21,7 +21,7 @@ def plan_config(args: EngineArgs) -> dict:
             "attn_cp_size": args.attn_cp_size, "enable_prefill_cp": args.enable_prefill_cp,
             "cp_strategy": args.cp_strategy, "attention_backend": args.resolved_backend(),
             "attention_kernel": args.attention_kernel, "page_size": args.page_size,
-            "max_batch_requests": args.max_batch_requests}
+            "max_batch_requests": args.max_batch_requests, "ffn_tp_size": args.resolved_ffn_tp_size}
 
 
 def load_plan_buckets(path: str, args: EngineArgs) -> list[int]:

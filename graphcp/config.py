@@ -36,6 +36,8 @@ class EngineArgs:
     capture_plan: str | None = None
     max_batch_requests: int = 8
     rank_timeout_s: float = 60.0
+    ffn_tp_size: int | None = None   # None = the TP world (SPEC); or tp / (dp x attn-cp-size) to keep the FFN
+                                     # with attention TP: no layer communicator, FFN weights replicated per CP rank
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
@@ -77,6 +79,9 @@ class EngineArgs:
         if self.tp_size % (self.dp_size * self.attn_cp_size):
             raise ConfigError(f"--tp must be divisible by --dp x --attn-cp-size "
                               f"(tp={self.tp_size}, dp={self.dp_size}, attn-cp-size={self.attn_cp_size})")
+        if self.ffn_tp_size is not None and self.ffn_tp_size not in (self.tp_size, self.attn_tp_size):
+            raise ConfigError(f"--ffn-tp-size must be {self.tp_size} (the TP world) or {self.attn_tp_size} "
+                              f"(the attention TP size), got {self.ffn_tp_size}")
         if self.cuda_graph_buckets is not None:
             if not self.cuda_graph_buckets or any(b < 1 for b in self.cuda_graph_buckets):
                 raise ConfigError("--cuda-graph-buckets must be positive token counts, e.g. 32 64 128")
@@ -93,6 +98,14 @@ class EngineArgs:
     @property
     def cp_size(self) -> int:
         return self.attn_cp_size if self.enable_prefill_cp else 1
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // (self.dp_size * self.attn_cp_size)
+
+    @property
+    def resolved_ffn_tp_size(self) -> int:
+        return self.ffn_tp_size or self.tp_size
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -130,6 +143,8 @@ class EngineArgs:
         add("--max-batch-requests", type=int, default=8, help="static request capacity of the graphs")
         add("--rank-timeout", dest="rank_timeout_s", type=float, default=60.0,
             help="seconds before a silent rank makes prefill fail")
+        add("--ffn-tp-size", type=int, default=None,
+            help="dense FFN TP size: the TP world (default) or the attention TP size (FFN replicated per CP rank)")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -17,7 +17,7 @@ from graphcp.batch import PrefillOutput, Request, validate_requests
 from graphcp.config import EngineArgs
 from graphcp.cp.strategy import ContextParallelStrategy, InterleaveStrategy, make_strategy, unsharded
 from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce, recv, send
-from graphcp.dist.topology import Groups, attn_tp_size, build_groups, rank_info
+from graphcp.dist.topology import Groups, build_groups, rank_info
 from graphcp.errors import ConfigError, RequestError
 from graphcp.models.parallel import TPInfo, shard_range
 from graphcp.forward_context import forward_context
@@ -68,7 +68,7 @@ class ModelRunner:
         self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name, self.device)
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
         self.comm = CPComm(groups.cp, args.cp_size, self.me.cp_rank) if args.cp_size > 1 else None
-        atp = attn_tp_size(args)
+        atp = args.attn_tp_size
         if cfg.num_key_value_heads % atp:
             raise ConfigError(f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size)) must divide "
                               f"num_key_value_heads={cfg.num_key_value_heads}")
@@ -76,11 +76,11 @@ class ModelRunner:
             raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
         self.tp = TPInfo(atp, self.me.attn_tp_rank, groups.attn_tp)
         tp_rank = rank % args.tp_size
-        ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp)
-        # The dense FFN is split over the whole TP world; when that is wider than attention TP, a layer
-        # communicator gathers every CP/DP rank's tokens before it and hands each rank its rows after.
-        self.communicator = (FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp)
-                             if args.tp_size > atp else None)
+        # The dense FFN is split over the whole TP world by default; when that is wider than attention TP,
+        # a layer communicator gathers every CP/DP rank's tokens before it and hands each rank its rows after.
+        wide = args.resolved_ffn_tp_size > atp
+        ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp) if wide else self.tp
+        self.communicator = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp) if wide else None
         self.layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, self.me.pp_rank))
         self.first_stage, self.last_stage = self.me.pp_rank == 0, self.me.pp_rank == args.pp_size - 1
 

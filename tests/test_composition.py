@@ -13,13 +13,14 @@ from parity import Session, random_ids
 VOCAB = 211
 LAYOUTS = {
     "pp2-cp2": dict(tp_size=2, pp_size=2, attn_cp_size=2),
+    "cp2-ffn-with-attention": dict(tp_size=2, attn_cp_size=2, ffn_tp_size=1, disable_cuda_graph=True),
     "tp4-cp2-attn_tp2": dict(tp_size=4, attn_cp_size=2),
     "dp2-cp2-tp4": dict(tp_size=4, dp_size=2, attn_cp_size=2),
 }
 
 
 def test_rank_map():
-    args = SimpleNamespace(tp_size=4, dp_size=2, pp_size=2, cp_size=2, world_size=8)   # topology reads sizes only
+    args = SimpleNamespace(tp_size=4, dp_size=2, pp_size=2, cp_size=2, attn_tp_size=1, world_size=8)   # topology reads sizes only
     info = [rank_info(args, r) for r in range(8)]
     assert [(i.pp_rank, i.dp_rank, i.cp_rank, i.attn_tp_rank) for i in info[:4]] == \
         [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 0)]
@@ -40,12 +41,16 @@ def test_composition_matches_hf(checkpoint, engines, oracle, name):
     one = engines.get(checkpoint, disable_cuda_graph=True).stats()["weight_bytes"]
     # Each rank loads only its shard: the FFN is split over the TP world everywhere; heads and vocabulary over
     # attention TP; layers over stages. With DP x CP only the attention weights stay whole.
-    assert max(per_rank) < (0.8 if name == "dp2-cp2-tp4" else 0.5) * one, (per_rank, one)
+    if name == "cp2-ffn-with-attention":
+        assert per_rank == [one, one]                   # --ffn-tp-size 1: the FFN stays whole per CP rank
+    else:
+        assert max(per_rank) < (0.8 if name == "dp2-cp2-tp4" else 0.5) * one, (per_rank, one)
     s.release_all()
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
 
 
 @pytest.mark.parametrize("kwargs,flag", [
+    (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag", ffn_tp_size=3), "--ffn-tp-size"),
     (dict(tp_size=4), "--tp"),                                                     # attention TP 4 > 2 KV heads
     (dict(tp_size=2, pp_size=3, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag"), "--pp"),
 ])

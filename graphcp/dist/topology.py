@@ -27,12 +27,8 @@ class RankInfo:
         return self.cp_rank == 0 and self.attn_tp_rank == 0
 
 
-def attn_tp_size(args: EngineArgs) -> int:
-    return args.tp_size // (args.dp_size * args.cp_size)
-
-
 def rank_info(args: EngineArgs, rank: int) -> RankInfo:
-    atp, cp = attn_tp_size(args), args.cp_size
+    atp, cp = args.attn_tp_size, args.cp_size
     pp_rank, tp_rank = divmod(rank, args.tp_size)
     dp_rank, rest = divmod(tp_rank, cp * atp)
     cp_rank, atp_rank = divmod(rest, atp)
@@ -40,7 +36,7 @@ def rank_info(args: EngineArgs, rank: int) -> RankInfo:
 
 
 def rank_of(args: EngineArgs, pp_rank: int, dp_rank: int, cp_rank: int, attn_tp_rank: int) -> int:
-    atp, cp = attn_tp_size(args), args.cp_size
+    atp, cp = args.attn_tp_size, args.cp_size
     return pp_rank * args.tp_size + dp_rank * cp * atp + cp_rank * atp + attn_tp_rank
 
 
@@ -53,7 +49,7 @@ class Groups:
 
 def build_groups(args: EngineArgs, me: RankInfo) -> Groups:
     """Every rank creates every group, in the same order (torch.distributed requires it)."""
-    atp, cp, world = attn_tp_size(args), args.cp_size, args.world_size
+    atp, cp, world = args.attn_tp_size, args.cp_size, args.world_size
     groups = Groups(None, None)
     if args.tp_size > 1:
         if args.tp_size == world:
@@ -86,7 +82,7 @@ def build_groups(args: EngineArgs, me: RankInfo) -> Groups:
 def rank_map(args: EngineArgs) -> str:
     """A table of every rank's place, logged at start."""
     lines = [f"graphcp rank map: tp={args.tp_size} (dp={args.dp_size} x attn_cp={args.cp_size} x "
-             f"attn_tp={attn_tp_size(args)}), pp={args.pp_size}, world={args.world_size}",
+             f"attn_tp={args.attn_tp_size}), pp={args.pp_size}, world={args.world_size}",
              "  rank  pp  dp  cp  attn_tp"]
     for r in range(args.world_size):
         i = rank_info(args, r)
