@@ -70,6 +70,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default="graphcp-bench.png")
+    parser.add_argument("--balance-cp", type=int, default=None,
+                        help="CP size for the layout-balance columns (default: the run's, or 4 at CP=1)")
     ns = parser.parse_args(argv)
     args = engine_args(ns)
     cases = [parse_case(c) for c in ns.cases]
@@ -85,6 +87,7 @@ def run(argv: list[str]) -> int:
         except ImportError:
             print("transformers is not installed: HF column skipped (pip install graphcp[test])")
     gen = torch.Generator().manual_seed(0)
+    balance_cp = ns.balance_cp or (args.cp_size if args.cp_size > 1 else 4)
     results = []
     print(f"graphcp bench: {args.model_path}  CP={args.cp_size} {args.cp_strategy or ''}  "
           f"device={args.resolved_device()}  reps={ns.reps}")
@@ -116,9 +119,8 @@ def run(argv: list[str]) -> int:
                 "case": f"{n}x{length}", "tokens": n * length, "graph_mode": graph_out.mode,
                 "graph_bucket": graph_out.graph_bucket, "eager_reason": graph_out.eager_reason,
                 "ms": med, "host_ops": {"eager": eager_out.host_ops, "graph": graph_out.host_ops},
-                "balance": {s: attention_balance(s, max(1, args.cp_size), [length] * n)
-                            for s in ("zigzag", "interleave")}})
-    report = _report(results)
+                "balance": {s: attention_balance(s, balance_cp, [length] * n) for s in ("zigzag", "interleave")}})
+    report = _report(results, balance_cp)
     print(report["table"])
     if ns.json_out:
         with open(ns.json_out, "w") as f:
@@ -130,9 +132,11 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _report(results: list[dict]) -> dict:
+def _report(results: list[dict], balance_cp: int) -> dict:
     lines = ["", f"{'case':>7} {'mode':>6} {'bucket':>6} {'graph ms':>9} {'eager ms':>9} {'hf ms':>8} "
                  f"{'graph/eager':>11} {'eager/hf':>8} {'ops eager':>9} {'ops graph':>9} {'zz bal':>6} {'il bal':>6}"]
+    lines.append(f"{'':>7} graph/eager and eager/hf are speedups (>1: the first is faster); "
+                 f"bal = max/mean attention work over ranks at CP={balance_cp}")
     total_tokens = sum(r["tokens"] for r in results)
     totals = {k: sum(r["ms"][k] for r in results) if all(r["ms"][k] for r in results) else None
               for k in ("graph", "eager", "hf")}
@@ -155,7 +159,8 @@ def _report(results: list[dict]) -> dict:
                      f"graphcp graph / HF: {tps['graphcp_graph'] / tps['hf']:.2f}x")
     lines.append(f"graph / eager: {tps['graphcp_graph'] / tps['graphcp_eager']:.2f}x   host ops per forward "
                  f"(median): eager {ops['eager']}, graph {ops['graph']} -> {ops['graph'] / ops['eager']:.3f}")
-    return {"table": "\n".join(lines), "host_ops_per_forward": ops, "tokens_per_s": tps, "cases": results}
+    return {"table": "\n".join(lines), "host_ops_per_forward": ops, "tokens_per_s": tps, "cases": results,
+            "balance_cp": balance_cp}
 
 
 def _plot(results: list[dict], path: str) -> None:

@@ -1,0 +1,37 @@
+"""The command line: graphcp bench writes its JSON and plot; graphcp demo prints its table and the CP=2 vs
+CP=1 comparison."""
+from __future__ import annotations
+
+import json
+
+from graphcp.cli import main
+
+
+def test_bench_json_and_plot(checkpoint, tmp_path, capsys):
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "--model-path", checkpoint, "--tp", "1", "--attn-cp-size", "1", "--cases", "1x40", "3x24",
+               "--reps", "2", "--max-total-tokens", "1024", "--json", str(out), "--plot", str(plot)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert set(report["tokens_per_s"]) == {"graphcp_eager", "graphcp_graph", "hf"}
+    assert all(v > 0 for v in report["tokens_per_s"].values())
+    ops = report["host_ops_per_forward"]
+    assert ops["graph"] < ops["eager"]
+    assert [c["case"] for c in report["cases"]] == ["1x40", "3x24"]
+    assert all(c["graph_mode"] == "graph" for c in report["cases"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "graph / eager" in capsys.readouterr().out
+
+
+def test_demo_table_and_cp_comparison(checkpoint, capsys):
+    rc = main(["demo", "--model-path", checkpoint, "--batches", "2", "--max-total-tokens", "4096"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "request" in printed and "tokens/s" in printed and "graph" in printed
+    assert "CP=2 vs CP=1 logits" in printed and "greedy tokens identical" in printed
+
+
+def test_bad_flag_is_a_clear_error(checkpoint, capsys):
+    assert main(["bench", "--model-path", checkpoint, "--cp-strategy", "ring", "--tp", "2", "--attn-cp-size", "2",
+                 "--enable-prefill-cp"]) == 2
+    assert "--cp-strategy" in capsys.readouterr().err
