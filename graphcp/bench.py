@@ -64,7 +64,8 @@ def _time(fn) -> float:  # noqa: ANN001
 
 
 def run(argv: list[str]) -> int:
-    parser = engine_parser("graphcp bench", "graphcp graph vs eager vs HF transformers, side by side.", cp_default=2)
+    # Engine defaults (CP=1): the fair comparison with HF on the same devices; pass the CP flags to bench CP.
+    parser = engine_parser("graphcp bench", "graphcp graph vs eager vs HF transformers, side by side.", cp_default=1)
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="NxL: N requests of L tokens")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true")

@@ -293,6 +293,7 @@ def _merge(cmd: str, replies: list[Any]) -> Any:
     if cmd == "stats":
         stats = dict(replies[0])
         stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]
+        stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
         return stats
     return replies[0]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -313,6 +314,7 @@ class ModelRunner:
         return {"kv_tokens_total": sum(p.tokens_total for p in self.dp_pages),
                 "kv_tokens_free": sum(p.tokens_free for p in self.dp_pages),
                 "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "graph_buckets": self.graphs.buckets if self.graphs else [],
                 "graph_captures": self.graphs.captures if self.graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.backend,

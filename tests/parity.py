@@ -43,3 +43,13 @@ class Session:
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def graph_and_eager(engine, batch, **kwargs):
+    """The same fresh batch through the graph path, then forced eager; rids are released after each."""
+    outs = []
+    for force_eager in (False, True):
+        outs.append(engine.prefill(batch, force_eager=force_eager, **kwargs))
+        for r in batch:
+            engine.release(r.rid)
+    return outs

@@ -7,7 +7,7 @@ import pytest
 from conftest import cp_kwargs
 from graphcp import Request
 from graphcp.cp import build_layout
-from parity import Session, random_ids
+from parity import Session, graph_and_eager, random_ids
 
 VOCAB = 211
 LAYERS = 2
@@ -53,11 +53,6 @@ def test_cp2_graph_equals_eager(checkpoint, engines):
     engine = engines.get(checkpoint, **cp_kwargs(2))
     for seed, lens in enumerate([[16], [9, 30, 17], [200, 4, 60], [64] * 8]):
         batch = [Request(f"g{i}", random_ids(n, VOCAB, 40 * seed + i)) for i, n in enumerate(lens)]
-        graph = engine.prefill(batch)
-        for r in batch:
-            engine.release(r.rid)
-        eager = engine.prefill(batch, force_eager=True)
-        for r in batch:
-            engine.release(r.rid)
+        graph, eager = graph_and_eager(engine, batch)
         assert graph.mode == "graph", graph.eager_reason
         assert (graph.logits - eager.logits).abs().max().item() <= 1e-6

@@ -11,7 +11,7 @@ from conftest import cp_kwargs
 from graphcp import Request
 from graphcp.graph.capture import CpuCapture, GraphCaptureError, check_same_ops, graph_break
 from graphcp.graph.runner import config_ineligibility, select_bucket
-from parity import Session, random_ids
+from parity import Session, graph_and_eager, random_ids
 
 VOCAB = 211
 
@@ -169,11 +169,6 @@ def test_injected_sync_serves_that_bucket_eagerly(checkpoint, monkeypatch, oracl
 def test_host_ops_graph_vs_eager(checkpoint, engines, cp):
     engine = engines.get(checkpoint, **cp_kwargs(cp))
     batch = [Request("h0", random_ids(50, VOCAB, 1)), Request("h1", random_ids(70, VOCAB, 2))]
-    graph = engine.prefill(batch, count_host_ops=True)
-    for r in batch:
-        engine.release(r.rid)
-    eager = engine.prefill(batch, count_host_ops=True, force_eager=True)
-    for r in batch:
-        engine.release(r.rid)
+    graph, eager = graph_and_eager(engine, batch, count_host_ops=True)
     assert graph.mode == "graph" and eager.mode == "eager"
     assert eager.host_ops > 100 and graph.host_ops / eager.host_ops <= 0.25, (graph.host_ops, eager.host_ops)

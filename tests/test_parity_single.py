@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hf_reference import make_checkpoint
-from parity import Session, random_ids
+from parity import Session, graph_and_eager, random_ids
 
 VOCAB = 211
 
@@ -51,12 +51,7 @@ def test_graph_equals_eager_bitwise(checkpoint, engines):
     engine = engines.get(checkpoint)
     for seed, lens in enumerate([[5], [3, 17, 30], [60, 1, 2, 9], [120, 100]]):
         batch = [Request(f"r{i}", random_ids(n, VOCAB, 10 * seed + i)) for i, n in enumerate(lens)]
-        graph = engine.prefill(batch)
-        for r in batch:
-            engine.release(r.rid)
-        eager = engine.prefill(batch, force_eager=True)
-        for r in batch:
-            engine.release(r.rid)
+        graph, eager = graph_and_eager(engine, batch)
         assert graph.mode == "graph" and eager.mode == "eager", graph.eager_reason
         assert eager.eager_reason == "eager forced by the caller (force_eager=True)"
         assert (graph.logits - eager.logits).abs().max().item() <= 1e-6
