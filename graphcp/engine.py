@@ -248,7 +248,7 @@ class Engine:
                 proc.join(timeout=5)
             conn.close()
         self._workers = []
-        self._runner = None if not self._spmd else self._runner
+        self._runner = None
 
     def __enter__(self) -> "Engine":
         return self

@@ -49,6 +49,9 @@ class _Plan:
     eager_reason: str | None
     indices: list[int]           # positions of these requests in the caller's batch (DP splits batches)
     local_cap: int               # rows of this rank's padded buffers (eager)
+    dp_groups: list[int]         # DP group of every request of the batch
+    all_rids: list[str]
+    all_extend_lens: list[int]
 
 
 class ModelRunner:
@@ -194,8 +197,6 @@ class ModelRunner:
         if cp_applied and not strategy.applies(ext):
             strategy, cp_applied = unsharded(), False
         all_ext = [t.numel() for t in all_ids]
-        if self.args.dp_size > 1:
-            self.dp_plan = (groups, all_rids, all_ext)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
         local_cap = max(self._local_cap([n for n, d in zip(all_ext, groups) if d == g])
                         for g in range(self.args.dp_size))
@@ -214,7 +215,8 @@ class ModelRunner:
                 real = max(counts)
                 bucket, reason = select_bucket(self.graphs.buckets, real, -(-real // strategy.align) * strategy.align,
                                                self.graphs.failures)
-        return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices, local_cap)
+        return _Plan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices, local_cap,
+                     groups, all_rids, all_ext)
 
     def _local_cap(self, extend_lens: list[int]) -> int:
         """Rows of one rank's padded buffers for a DP group's requests (>= 1 so empty groups can join)."""
@@ -238,12 +240,12 @@ class ModelRunner:
                 logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
         except BaseException:
             self.pages.rollback(plan.rids, added)
-            for pages, rids, new in others:
+            for pages, rids, _, new in others:
                 pages.rollback(rids, new)
             raise
         self.pages.commit(plan.rids, plan.extend_lens)
-        for pages, rids, _ in others:
-            pages.commit(rids, [self._ext_of[r] for r in rids])
+        for pages, rids, new_lens, _ in others:
+            pages.commit(rids, new_lens)
         if logits is None:              # not an output rank (or this DP group got no request)
             logits = torch.zeros(0, self.model_config.vocab_size)
         return PrefillOutput(
@@ -253,17 +255,15 @@ class ModelRunner:
             per_rank_tokens=plan.per_rank_tokens, host_ops=host_ops if count_host_ops else None,
             request_indices=plan.indices, dp_group=self.me.dp_rank)
 
-    def _mirror_other_groups(self, plan: _Plan) -> list[tuple[PageTable, list[str], list[list[int]]]]:
-        """Allocate the other DP groups' requests in this rank's mirrors of their page tables."""
-        if self.args.dp_size == 1:
-            return []
-        groups, rids, ext = self.dp_plan
-        self._ext_of = dict(zip(rids, ext))
+    def _mirror_other_groups(self, plan: _Plan) -> list[tuple[PageTable, list[str], list[int], list[list[int]]]]:
+        """Allocate the other DP groups' requests in this rank's mirrors of their page tables:
+        (table, rids, new lengths, pages added)."""
         out = []
         for g, pages in enumerate(self.dp_pages):
             if g != self.me.dp_rank:
-                mine = [r for r, d in zip(rids, groups) if d == g]
-                out.append((pages, mine, pages.allocate(mine, [self._ext_of[r] for r in mine])))
+                picked = [(r, n) for r, n, d in zip(plan.all_rids, plan.all_extend_lens, plan.dp_groups) if d == g]
+                rids, lens = [r for r, _ in picked], [n for _, n in picked]
+                out.append((pages, rids, lens, pages.allocate(rids, lens)))
         return out
 
     def _run(self, plan: _Plan, count_host_ops: bool) -> tuple[torch.Tensor, int]:
