@@ -72,3 +72,25 @@ def test_stats_and_page_accounting(checkpoint, engines):
     assert engine.stats()["kv_tokens_free"] == free - 48
     engine.release("x")
     assert engine.stats()["kv_tokens_free"] == free
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 64])
+def test_other_page_sizes(checkpoint, engines, oracle, page_size):
+    engine = engines.get(checkpoint, page_size=page_size, cuda_graph_buckets=[32, 64])
+    s = Session(engine, oracle, checkpoint)
+    out = s.run([("p", random_ids(45, VOCAB, 1)), ("q", random_ids(7, VOCAB, 2))])
+    assert out.mode == "graph"
+    s.run([("p", random_ids(30, VOCAB, 3))])
+    s.release_all()
+
+
+def test_bfloat16_runs_close_to_fp32(checkpoint, engines):
+    from graphcp import Request
+    ids = random_ids(60, VOCAB, 4)
+    fp32 = engines.get(checkpoint).prefill([Request("x", ids)]).logits
+    engines.get(checkpoint).release("x")
+    bf16_engine = engines.get(checkpoint, dtype="bfloat16")
+    bf16 = bf16_engine.prefill([Request("x", ids)]).logits
+    bf16_engine.release("x")
+    assert bf16.dtype == fp32.dtype == __import__("torch").float32
+    assert float((bf16 - fp32).abs().max() / fp32.abs().max()) < 5e-2

@@ -64,3 +64,14 @@ def test_short_soak(checkpoint):
                              **cp_kwargs(2)), batches=60, sample_every=10, seed=3)
     assert report["leaked_tokens"] == 0 and report["recaptured"] is False
     assert report["graph_batches"] > 30 and report["sampled"] >= 5 and report["max_graph_vs_eager"] <= 1e-6
+
+
+def test_clean_shutdown_leaves_no_process(checkpoint):
+    engine = Engine(EngineArgs(model_path=checkpoint, max_total_tokens=1024, **cp_kwargs(2, cuda_graph_buckets=[16])))
+    pids = [proc.popen.pid for proc, _ in engine._workers]
+    assert all(_alive(p) for p in pids)
+    engine.prefill([Request("a", random_ids(20, VOCAB, 1))])
+    engine.close()
+    assert not any(_alive(p) for p in pids)
+    with pytest.raises(EngineDeadError, match="closed"):
+        engine.prefill([Request("b", random_ids(20, VOCAB, 2))])
