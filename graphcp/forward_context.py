@@ -19,9 +19,11 @@ class AttentionOp(Protocol):
 class Communicator(Protocol):
     """Moves activations between the attention layout and the FFN layout (a layer communicator)."""
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows -> the rows the FFN serves."""
 
-    def scatter(self, y: torch.Tensor, rows: int) -> torch.Tensor: ...
+    def scatter(self, partial: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The FFN's partial sums -> this rank's rows, summed; None: the layouts agree, reduce in place."""
 
 
 class _SameLayout:
@@ -30,8 +32,8 @@ class _SameLayout:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def scatter(self, y: torch.Tensor, rows: int) -> torch.Tensor:
-        return y
+    def scatter(self, partial: torch.Tensor, rows: int) -> None:
+        return None
 
 
 _current: AttentionOp | None = None

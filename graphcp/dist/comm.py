@@ -8,8 +8,9 @@ import torch.distributed as dist
 from graphcp.graph.capture import graph_break
 from graphcp.profiling import nvtx_range
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same semantics); older torch lacks it.
+# torch 2.13 renamed the tensor forms (same semantics); older torch has only the old names.
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nccl(group: dist.ProcessGroup | None) -> bool:
@@ -25,6 +26,15 @@ def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGr
     return out
 
 
+def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if out.is_cuda and not _nccl(group):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        _scatter_into(host, inp.cpu().contiguous(), group=group)
+        return out.copy_(host)
+    _scatter_into(out, inp.contiguous(), group=group)
+    return out
+
+
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if t.is_cuda and not _nccl(group):
         host = t.cpu()
@@ -35,6 +45,7 @@ def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 
 
 _all_gather_break = graph_break(_all_gather_into)
+_reduce_scatter_break = graph_break(_reduce_scatter_into)
 _all_reduce_break = graph_break(_all_reduce)
 
 
@@ -42,6 +53,12 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     """out [size * n, ...] <- every rank's inp [n, ...], rank-major."""
     with nvtx_range("all_gather"):
         return (_all_gather_into if _nccl(group) else _all_gather_break)(out, inp, group)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """out [n, ...] <- block ``rank`` of the group's sum of every rank's inp [size * n, ...]."""
+    with nvtx_range("reduce_scatter"):
+        return (_reduce_scatter_into if _nccl(group) else _reduce_scatter_break)(out, inp, group)
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -102,7 +119,7 @@ class FFNCommunicator:
     FFN layout (every token of the TP world, FFN weights split over the whole TP world).
 
     gather: all-gather each rank's rows over the TP world, keeping one copy per attention-TP group.
-    scatter: after the FFN's all-reduce every rank holds all rows; it keeps its own block."""
+    scatter: reduce-scatter the FFN's partial sums so each rank receives only its own rows, summed."""
 
     def __init__(self, group: dist.ProcessGroup | None, tp_size: int, attn_tp_size: int, block: int) -> None:
         self.group, self.tp_size, self.attn_tp_size, self.block = group, tp_size, attn_tp_size, block
@@ -117,5 +134,9 @@ class FFNCommunicator:
         keep = (blocks[:, None] * rows + torch.arange(rows, device=x.device)[None, :]).reshape(-1)
         return out.index_select(0, keep)
 
-    def scatter(self, y: torch.Tensor, rows: int) -> torch.Tensor:
-        return y.narrow(0, self.block * rows, rows)
+    def scatter(self, partial: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.attn_tp_size > 1:   # attention-TP peers share a block: give each rank its own copy to reduce
+            partial = partial.view(-1, 1, rows, partial.shape[-1]).expand(-1, self.attn_tp_size, -1, -1)
+            partial = partial.reshape(-1, partial.shape[-1])
+        out = partial.new_empty((rows, partial.shape[-1]))
+        return reduce_scatter_into(out, partial, self.group)

@@ -56,7 +56,9 @@ class GatedMLP(nn.Module):
         comm = current_communicator()
         rows = x.shape[0]
         x = comm.gather(x)
-        return comm.scatter(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)), rows)
+        partial = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x), reduce=False)
+        out = comm.scatter(partial, rows)                   # reduce-scatter to this rank's rows
+        return self.down_proj.reduce(partial) if out is None else out
 
 
 class DecoderLayer(nn.Module):

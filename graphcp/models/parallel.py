@@ -39,7 +39,8 @@ class ColumnLinear(nn.Linear):
 
 
 class RowLinear(nn.Linear):
-    """Input features split across the group; partial outputs are summed over the group."""
+    """Input features split across the group; partial outputs are summed over the group (``reduce``),
+    or left partial for a caller that reduces them itself (a reduce-scatter)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPInfo, unit: int = 1) -> None:
         start, end = shard_range(in_features, tp.size, tp.rank, unit)
@@ -47,11 +48,12 @@ class RowLinear(nn.Linear):
         self.shard = (1, start, end)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         y = super().forward(x)
-        if self.tp.size > 1:
-            all_reduce(y, self.tp.group)
-        return y
+        return self.reduce(y) if reduce else y
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return all_reduce(partial, self.tp.group) if self.tp.size > 1 else partial
 
 
 class VocabEmbedding(nn.Embedding):
