@@ -83,7 +83,6 @@ class Engine:
                               f"change --nproc-per-node or --tp")
         if not dist.is_initialized():
             init_group(self.args, rank, world, "env://")
-        self._rank = rank
         self._runner = ModelRunner(self.args, rank, rank_device(self.args, rank), capture_progress=rank == 0)
         self._start_stats = self._runner.stats()
 

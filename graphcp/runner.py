@@ -122,7 +122,7 @@ class ModelRunner:
             strategy=self.strategy, device=self.device, req_cap=args.max_batch_requests,
             pages_cap=self.pages.max_pages_per_request, vocab_size=self.model_config.vocab_size,
             max_bucket=max(buckets), max_context=self.max_context, agree=self._all_ranks_agree)
-        self.capture_records = self.graphs.capture_all(buckets, progress=progress and self.rank == 0)
+        self.graphs.capture_all(buckets, progress=progress and self.rank == 0)
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         if self.comm is None:

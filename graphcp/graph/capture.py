@@ -106,11 +106,6 @@ class BreakableGraph:
 
 
 # -- CPU emulation ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Ref:
-    index: int
-
-
 _SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static", "aten::masked_select",
              "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim",
              "aten::is_nonzero", "aten::equal", "aten::allclose"}
