@@ -94,3 +94,18 @@ def test_bfloat16_runs_close_to_fp32(checkpoint, engines):
     bf16_engine.release("x")
     assert bf16.dtype == fp32.dtype == __import__("torch").float32
     assert float((bf16 - fp32).abs().max() / fp32.abs().max()) < 5e-2
+
+
+def test_sharded_checkpoint_with_index(ckpt_dir, engines, oracle):
+    import os
+
+    import transformers
+    path = str(ckpt_dir / "qwen2_sharded")
+    src = make_checkpoint(str(ckpt_dir / "qwen2_unsharded"), "qwen2", seed=9)
+    transformers.AutoModelForCausalLM.from_pretrained(src).save_pretrained(path, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
+    engine = engines.get(path, disable_cuda_graph=True)
+    s = Session(engine, oracle, path)
+    s.run([("s", random_ids(33, VOCAB, 1))])
+    s.release_all()
