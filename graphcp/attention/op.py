@@ -23,7 +23,8 @@ Kernel = Callable[..., torch.Tensor]
 
 
 def resolve_kernel(requested: str, device: torch.device) -> str:
-    """The kernel behind the backend: flashinfer where installed on CUDA, then Triton on CUDA, else torch."""
+    """The kernel behind the backend: Triton on CUDA, torch on CPU. flashinfer is not wired yet, so asking
+    for it is a ConfigError rather than a silent substitute."""
     if requested == "flashinfer":
         raise ConfigError("--attention-kernel flashinfer is not wired in this build; use triton or torch")
     if requested == "triton":
