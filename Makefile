@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.graphcp-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test bench profile gpu-check clean
+.PHONY: setup demo test bench profile soak gpu-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ bench: $(STAMP)
 
 profile: $(STAMP)
 	$(PY) -m graphcp profile
+
+soak: $(STAMP)
+	$(PY) -m graphcp soak --batches 1000
 
 gpu-check: $(STAMP)
 	$(PY) profiles/gpu_check.py --out profiles/out
