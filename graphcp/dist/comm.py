@@ -17,22 +17,23 @@ def _nccl(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _out_of_place(collective, out: torch.Tensor, inp: torch.Tensor,  # noqa: ANN001
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Run an (out, inp) collective; under gloo, CUDA tensors travel through host memory."""
     if out.is_cuda and not _nccl(group):
         host = torch.empty(out.shape, dtype=out.dtype)
-        _gather_into(host, inp.cpu().contiguous(), group=group)
+        collective(host, inp.cpu().contiguous(), group=group)
         return out.copy_(host)
-    _gather_into(out, inp.contiguous(), group=group)
+    collective(out, inp.contiguous(), group=group)
     return out
+
+
+def _all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _out_of_place(_gather_into, out, inp, group)
 
 
 def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if out.is_cuda and not _nccl(group):
-        host = torch.empty(out.shape, dtype=out.dtype)
-        _scatter_into(host, inp.cpu().contiguous(), group=group)
-        return out.copy_(host)
-    _scatter_into(out, inp.contiguous(), group=group)
-    return out
+    return _out_of_place(_scatter_into, out, inp, group)
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
