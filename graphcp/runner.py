@@ -66,9 +66,9 @@ class ModelRunner:
         self.dtype = _resolve_dtype(args.dtype, self.device)
         self.model_config = cfg = read_model_config(args.model_path)
         self.backend = args.resolved_backend()
-        self.kernel_name = resolve_kernel(args.attention_kernel, self.device)
-        if self.kernel_name == "triton" and cfg.head_dim not in (64, 128):
-            self.kernel_name = "torch"          # the Triton kernel covers head_dim 64 and 128 only
+        interleave = args.cp_size > 1 and args.cp_strategy == "interleave"
+        self.kernel_name = resolve_kernel(args.attention_kernel, self.device, self.dtype, cfg.head_dim,
+                                          bottom_right=not interleave)
         self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name, self.device)
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
         self.comm = CPComm(groups.cp, args.cp_size, self.me.cp_rank) if args.cp_size > 1 else None

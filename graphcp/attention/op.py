@@ -20,33 +20,49 @@ from graphcp.kv.cache import KVPool
 from graphcp.profiling import nvtx_range
 
 Kernel = Callable[..., torch.Tensor]
+TRITON_HEAD_DIMS = (64, 128)
 
 
-def resolve_kernel(requested: str, device: torch.device) -> str:
-    """The kernel behind the backend: Triton on CUDA, torch on CPU. flashinfer is not wired yet, so asking
-    for it is a ConfigError rather than a silent substitute."""
+def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                   bottom_right: bool = True) -> str:
+    """The kernel behind the backend. ``auto``: flashinfer where it is installed and can serve the
+    configuration (trtllm-gen on compute capability 10.x, the paged prefill wrapper on other GPUs), else
+    Triton on CUDA, else torch. An explicit request that cannot be served is a ConfigError naming the flag.
+    The Triton kernel covers head_dim 64 and 128; other sizes go through the torch kernel.
+    ``bottom_right`` is False for interleave, whose per-token causal limits flashinfer does not take."""
+    from graphcp.attention.kernels import flashinfer_attention as fi
+    from graphcp.attention.kernels import triton_available
     if requested == "flashinfer":
-        raise ConfigError("--attention-kernel flashinfer is not wired in this build; use triton or torch")
+        reason = fi.unsupported_reason(device, dtype, head_dim, bottom_right)
+        if reason is not None:
+            raise ConfigError(f"--attention-kernel flashinfer {reason}; or choose --attention-kernel triton or torch")
+        return "flashinfer-" + fi.variant_for_capability(torch.cuda.get_device_capability(device))
     if requested == "triton":
-        from graphcp.attention.kernels import triton_available
         if not triton_available(device):
             raise ConfigError("--attention-kernel triton needs the triton package (and on CPU, TRITON_INTERPRET=1 "
                               "is set by graphcp); install graphcp[test] or choose --attention-kernel torch")
-        return "triton"
-    if requested == "torch":
+        return "triton" if head_dim in TRITON_HEAD_DIMS else "torch"
+    if requested == "torch" or device.type != "cuda":
         return "torch"
-    if device.type == "cuda":
-        from graphcp.attention.kernels import triton_available
-        return "triton" if triton_available(device) else "torch"
-    return "torch"
+    if fi.unsupported_reason(device, dtype, head_dim, bottom_right) is None:
+        return "flashinfer-" + fi.variant_for_capability(torch.cuda.get_device_capability(device))
+    return "triton" if triton_available(device) and head_dim in TRITON_HEAD_DIMS else "torch"
 
 
 def kernel_fn(name: str, device: torch.device | None = None) -> tuple[Kernel, bool]:
-    """(kernel, capturable): capturable kernels read every length from device buffers. The Triton kernel is
-    capturable on CUDA; on CPU it runs in Triton's interpreter (numpy, not aten ops), so it stays a break."""
+    """(kernel, capturable): capturable kernels read every length from device buffers. Triton and trtllm-gen
+    are capturable on CUDA; on CPU Triton runs in its interpreter (numpy, not aten ops), so it stays a break.
+    flashinfer's paged wrapper plans on the host and is always a break."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "triton":
         from graphcp.attention.kernels.triton_attention import triton_paged_attention
-        return triton_paged_attention, device is not None and torch.device(device).type == "cuda"
+        return triton_paged_attention, on_cuda
+    if name == "flashinfer-trtllm":
+        from graphcp.attention.kernels.flashinfer_attention import flashinfer_trtllm_attention
+        return flashinfer_trtllm_attention, on_cuda
+    if name == "flashinfer-paged":
+        from graphcp.attention.kernels.flashinfer_attention import flashinfer_paged_attention
+        return flashinfer_paged_attention, False
     return torch_paged_attention, False
 
 
@@ -58,6 +74,18 @@ def _attend(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                       workspace=workspace)
 
 
+def _split_views(host: HostLengths, cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
+                 q_limits: torch.Tensor) -> tuple[tuple, tuple]:
+    """(early, late) metadata views, made once per forward so kernels' per-forward caches hit on every layer."""
+    cached = host.workspace.get("split_views")
+    if cached is None or cached[0] is not cu_seqlens_q:
+        n, r = host.early_rows, page_rows.shape[0] // 2
+        early = (cu_seqlens_q[:r + 1], page_rows[:r], q_limits[:n])
+        late = (cu_seqlens_q[r:] - n, page_rows[r:], q_limits[n:])
+        cached = host.workspace["split_views"] = (cu_seqlens_q, early, late)
+    return cached[1], cached[2]
+
+
 @graph_break
 def _attend_break(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int,
@@ -67,11 +95,12 @@ def _attend_break(kernel: Kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool:
         return _attend(kernel, q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale,
                        host.max_q, host.max_kv, out, host.workspace)
     # flashattention path: early blocks, then late blocks, each its own varlen call.
-    n, r = host.early_rows, page_rows.shape[0] // 2
-    _attend(kernel, q[:n], k_pool, v_pool, cu_seqlens_q[:r + 1], page_rows[:r], q_limits[:n], page_size, scale,
-            host.max_q, host.max_kv, out[:n])
-    _attend(kernel, q[n:], k_pool, v_pool, cu_seqlens_q[r:] - n, page_rows[r:], q_limits[n:], page_size, scale,
-            host.max_q, host.max_kv, out[n:])
+    n = host.early_rows
+    early, late = _split_views(host, cu_seqlens_q, page_rows, q_limits)
+    _attend(kernel, q[:n], k_pool, v_pool, *early, page_size, scale, host.max_q, host.max_kv, out[:n],
+            host.workspace)
+    _attend(kernel, q[n:], k_pool, v_pool, *late, page_size, scale, host.max_q, host.max_kv, out[n:],
+            host.workspace)
     return out
 
 
