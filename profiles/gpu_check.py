@@ -18,7 +18,6 @@ failed or a correctness check is out of tolerance; performance aims are reported
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import importlib.util
 import json
@@ -131,7 +130,8 @@ class Report:
         i = self.info
         out = ["# graphcp GPU check", "",
                f"- device: {i.get('device')}; torch {i.get('torch')}; triton {i.get('triton')}; "
-               f"transformers {i.get('transformers')}",
+               f"transformers {i.get('transformers')}; flashinfer {i.get('flashinfer')}; "
+               f"engine attention kernel {i.get('attention_kernel')}",
                f"- {'DRY RUN (CPU, tiny shapes; CUDA parts skipped)' if self.dry_run else 'full run'}; "
                f"elapsed {self.elapsed():.0f} s of a {self.budget_s:.0f} s budget; "
                f"bf16 peak assumed {PEAK_BF16_TFLOPS:.0f} TFLOP/s (H200 SXM dense)", "",
@@ -147,12 +147,12 @@ class Report:
                        f"{'ok' if c['ok'] else 'FAILED'} | {_md(extra)} |")
         if self.kernel_perf:
             out += ["", "## Attention kernel throughput (causal, single sequence, bf16)", "",
-                    "| shape | triton ms | triton TFLOP/s | % of peak | torch SDPA flash ms | SDPA TFLOP/s |",
-                    "|---|---:|---:|---:|---:|---:|"]
+                    "| shape | triton ms | triton TFLOP/s | % of peak | torch SDPA flash ms | SDPA TFLOP/s | "
+                    "flashinfer TFLOP/s |", "|---|---:|---:|---:|---:|---:|---:|"]
             for k in self.kernel_perf:
                 out.append(f"| {k['shape']} | {k['triton_ms']:.3f} | {k['triton_tflops']:.1f} | "
                            f"{k['pct_peak']:.1f} | {_fmt(k.get('sdpa_ms'), '.3f')} | "
-                           f"{_fmt(k.get('sdpa_tflops'), '.1f')} |")
+                           f"{_fmt(k.get('sdpa_tflops'), '.1f')} | {_fmt(k.get('flashinfer_tflops'), '.1f')} |")
         out += ["", "## Prefill latency (median ms; engine.prefill wall time incl. logits to host)", "",
                 "| shape | graphcp eager | graphcp graph | HF transformers | graph speedup (eager/graph) | "
                 "graphcp eager vs HF (HF/eager) | graph mode, bucket |", "|---|---:|---:|---:|---:|---:|---|"]
@@ -285,6 +285,13 @@ def part_a(rep: Report) -> str:
         err = float((out[:n].float() - ref[:n]).abs().max()) if not nan else float("inf")
         rep.check("a", f"triton attention {name}", "max abs err", err if pad_ok else float("inf"), tol,
                   padding_rows_zero=pad_ok)
+        for fi_name, fi_fn in _flashinfer_kernels(rep, dtype, d):
+            fi_out = torch.full_like(q, float("nan"))
+            fi_fn(q, kp, vp, cu, rows, lim, ps, scale, max(q_lens), max(p + n for p, n in zip(prefixes, q_lens)),
+                  fi_out)
+            fi_err = float((fi_out[:n].float() - ref[:n]).abs().max())
+            rep.check("a", f"{fi_name} attention {name}", "max abs err",
+                      fi_err if bool((fi_out[n:] == 0).all()) else float("inf"), tol)
         del q, kp, vp, out, ref
     # KV write: scatter rows into shuffled slots; padding rows all point at the dummy slot 0.
     n_rows, pad, hkv, d, slots_total = ((30, 3, 2, 64, 64) if rep.dry_run else (32768, 64, 8, 128, 40000))
@@ -302,6 +309,18 @@ def part_a(rep: Report) -> str:
     mismatch = float(((kp[1:] != rk[1:]).any() | (vp[1:] != rv[1:]).any()).item())
     rep.check("a", f"triton kv_write {n_rows}+{pad} pad rows h{hkv} d{d} bf16", "slots differing", mismatch, 0.0)
     return ""
+
+
+def _flashinfer_kernels(rep: Report, dtype, head_dim: int) -> list:  # noqa: ANN001
+    """[(name, kernel)] for the flashinfer variant this GPU would use, when flashinfer is installed and fits."""
+    import torch
+
+    from graphcp.attention.kernels import flashinfer_attention as fi
+    if rep.dry_run or fi.unsupported_reason(torch.device("cuda"), dtype, head_dim, True) is not None:
+        return []
+    variant = fi.variant_for_capability(torch.cuda.get_device_capability())
+    fn = fi.flashinfer_trtllm_attention if variant == "trtllm" else fi.flashinfer_paged_attention
+    return [(f"flashinfer-{variant}", fn)]
 
 
 # -- part b: attention TFLOP/s ------------------------------------------------------------------------
@@ -351,6 +370,9 @@ def part_b(rep: Report) -> str:
             del kc, vc
         except Exception as e:  # noqa: BLE001
             notes.append(f"SDPA yardstick failed: {type(e).__name__}")
+        for fi_name, fi_fn in _flashinfer_kernels(rep, torch.bfloat16, d):
+            f_ms = _cuda_ms(lambda: fi_fn(q, kp, vp, cu, rows, lim, 16, scale, tokens, tokens, out), 2, reps)
+            row.update(flashinfer=fi_name, flashinfer_ms=f_ms, flashinfer_tflops=flops / f_ms / 1e9)
         rep.kernel_perf.append(row)
         print(f"   {row['shape']}: triton {ms:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s "
               f"({row['pct_peak']:.1f}% of peak)", flush=True)
@@ -427,6 +449,7 @@ def part_c(rep: Report, state: dict) -> str:
     with Engine(_engine_args(rep, path)) as engine:
         rep.info["engine_start_s"] = round(time.monotonic() - t, 1)
         rep.info["graph_buckets"] = engine.stats()["graph_buckets"]
+        rep.info["attention_kernel"] = engine.stats()["attention_kernel"]
         for i, (shape, n, length) in enumerate(_shapes(rep)):
             if rep.left() < (5 if rep.dry_run else 45):
                 notes.append(f"stopped at {shape} for the time budget")
@@ -574,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0) if _cuda() and not ns.dry_run else f"cpu ({platform.machine()})"
     rep.info.update(device=device,
                     torch=torch.__version__, triton=_version("triton") if triton else None,
-                    transformers=_version("transformers"), python=platform.python_version(),
+                    transformers=_version("transformers"), flashinfer=_version("flashinfer-python"),
+                    python=platform.python_version(),
                     started=datetime.datetime.now().isoformat(timespec="seconds"))
     os.makedirs(ns.out, exist_ok=True)
     workdir = ns.workdir or tempfile.mkdtemp(prefix="graphcp_gpu_check_")
