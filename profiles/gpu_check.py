@@ -153,6 +153,13 @@ class Report:
                 out.append(f"| {k['shape']} | {k['triton_ms']:.3f} | {k['triton_tflops']:.1f} | "
                            f"{k['pct_peak']:.1f} | {_fmt(k.get('sdpa_ms'), '.3f')} | "
                            f"{_fmt(k.get('sdpa_tflops'), '.1f')} | {_fmt(k.get('flashinfer_tflops'), '.1f')} |")
+        sweeps = [k for k in self.kernel_perf if k.get("tiles")]
+        if sweeps:
+            names = [f"{bm}x{bn} w{w} s{st}" for bm, bn, w, st in TILE_SWEEP]
+            out += ["", "## Triton tile sweep (ms; BLOCK_M x BLOCK_N, warps, stages)", "",
+                    "| shape | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+            for k in sweeps:
+                out.append(f"| {k['shape']} | " + " | ".join(_fmt(k["tiles"].get(n), ".3f") for n in names) + " |")
         out += ["", "## Prefill latency (median ms; engine.prefill wall time incl. logits to host)", "",
                 "| shape | graphcp eager | graphcp graph | HF transformers | graph speedup (eager/graph) | "
                 "graphcp eager vs HF (HF/eager) | graph mode, bucket |", "|---|---:|---:|---:|---:|---:|---|"]
@@ -340,6 +347,25 @@ def _cuda_ms(fn, warmup: int, reps: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
+TILE_SWEEP = ((64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3))
+
+
+def _tile_sweep(rep: Report, kernel, args: tuple, reps: int, notes: list) -> dict:  # noqa: ANN001
+    """ms per (BLOCK_M, BLOCK_N, num_warps, num_stages), so defaults can follow measurements."""
+    results = {}
+    for bm, bn, warps, stages in TILE_SWEEP:
+        if rep.left() < 45:
+            notes.append("tile sweep cut short for the time budget")
+            break
+        try:
+            ms = _cuda_ms(lambda: kernel(*args, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages), 1, reps)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one config
+            notes.append(f"tiles {bm}x{bn} w{warps} s{stages}: {type(e).__name__}")
+            continue
+        results[f"{bm}x{bn} w{warps} s{stages}"] = ms
+    return results
+
+
 def part_b(rep: Report) -> str:
     import torch
     why = _triton_ready()
@@ -373,6 +399,9 @@ def part_b(rep: Report) -> str:
         for fi_name, fi_fn in _flashinfer_kernels(rep, torch.bfloat16, d):
             f_ms = _cuda_ms(lambda: fi_fn(q, kp, vp, cu, rows, lim, 16, scale, tokens, tokens, out), 2, reps)
             row.update(flashinfer=fi_name, flashinfer_ms=f_ms, flashinfer_tflops=flops / f_ms / 1e9)
+        if d == 128:
+            row["tiles"] = _tile_sweep(rep, triton_paged_attention, (q, kp, vp, cu, rows, lim, 16, scale, 0, 0, out),
+                                       reps, notes)
         rep.kernel_perf.append(row)
         print(f"   {row['shape']}: triton {ms:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s "
               f"({row['pct_peak']:.1f}% of peak)", flush=True)

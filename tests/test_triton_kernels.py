@@ -81,7 +81,7 @@ def test_varlen_with_prefixes(page_size, group, head_dim, dtype, capturable):
     _compare(q, k_pool, v_pool, cu, page_rows, limits, page_size, max(q_lens), max(kv_lens), capturable)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 64)])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 64), (64, 32)])
 def test_tiles_and_key_blocks(block_m, block_n):
     """Sequences that are not multiples of the tile, several tiles and several key blocks per sequence."""
     gen = torch.Generator().manual_seed(block_m + 7 * block_n)

@@ -4,11 +4,11 @@ Capturable design: the launch grid depends on tensor *shapes* only (the local to
 number of sequences S), never on the batch's values. Every query tile belongs to exactly one sequence:
 sequence s is cut into ceil(q_len_s / BLOCK_M) tiles and the rows past ``cu_seqlens_q[-1]`` (padding) into
 ceil(pad / BLOCK_M) zero-filling tiles. Summed over the S + 1 segments that is at most T // BLOCK_M + S + 1
-tiles, which is the grid's first axis; surplus programs exit without work. A program finds its segment
+tiles, which is the grid's second axis; surplus programs exit without work. A program finds its segment
 from a prefix sum over ``cu_seqlens_q`` computed in the kernel, and bounds its key loop by the largest
 ``q_limits`` among its rows (key blocks past every row's limit are skipped).
 
-Grid axis 1 is the query head; GQA maps query head h to kv head h // (Hq // Hkv).
+Grid axis 0 is the query head; GQA maps query head h to kv head h // (Hq // Hkv).
 """
 from __future__ import annotations
 
@@ -17,6 +17,45 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
+               stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
+               qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+               DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k_ok = kpos < hi
+        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp).to(tl.int64)
+    slot = page * PAGE_SIZE + (kpos % PAGE_SIZE)
+    k_ptr = KP + slot[None, :] * stride_ks + kv_head * stride_kh + d[:, None] * stride_kd
+    v_ptr = VP + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd
+    if MASKED:
+        kt = tl.load(k_ptr, mask=k_ok[None, :], other=0.0)                          # [D, BLOCK_N]
+    else:
+        kt = tl.load(k_ptr)
+    if DOT_F32:
+        kt = kt.to(tl.float32)
+    qk = tl.dot(q, kt, input_precision=PREC) * qk_scale                              # log2 domain
+    if MASKED:
+        qk = tl.where(kpos[None, :] < lim[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)                           # [BLOCK_N, D]
+    else:
+        v = tl.load(v_ptr)
+    p = p.to(v.dtype)                    # P@V in the cache dtype, as flash kernels do
+    if DOT_F32:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -32,8 +71,8 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)              # heads vary fastest: programs sharing a kv head run together (L2)
+    pid = tl.program_id(1)
     kv_head = head // GROUP
 
     # --- which segment (sequence, or the padding tail) this tile belongs to -------------------------
@@ -43,9 +82,11 @@ def _paged_attn_kernel(
     ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int32)
     tiles = tl.where(s_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, 0)                                    # inclusive tile counts per sequence
-    seq = tl.sum((cum <= pid).to(tl.int32), 0)                   # first s with cum[s] > pid (S: none)
     total_q = tl.load(CU + S).to(tl.int32)                       # cu_seqlens_q[-1]
     total_tiles = tl.sum(tiles, 0)
+    # Launch the last tiles first: in causal rows they see the most keys, so the long work starts early.
+    pid = tl.where(pid < total_tiles, total_tiles - 1 - pid, pid)
+    seq = tl.sum((cum <= pid).to(tl.int32), 0)                   # first s with cum[s] > pid (S: none)
 
     d = tl.arange(0, HEAD_DIM)
     m_off = tl.arange(0, BLOCK_M)
@@ -68,30 +109,17 @@ def _paged_attn_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         pr_row = PR + seq.to(tl.int64) * stride_pr
-        n_off = tl.arange(0, BLOCK_N)
-        for start in range(0, hi, BLOCK_N):
-            kpos = start + n_off
-            k_ok = kpos < hi
-            page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0).to(tl.int64)
-            slot = page * PAGE_SIZE + (kpos % PAGE_SIZE)
-            kt = tl.load(KP + slot[None, :] * stride_ks + kv_head * stride_kh + d[:, None] * stride_kd,
-                         mask=k_ok[None, :], other=0.0)                              # [D, BLOCK_N]
-            if DOT_F32:
-                kt = kt.to(tl.float32)
-            qk = tl.dot(q, kt, input_precision=PREC) * qk_scale                      # log2 domain
-            visible = kpos[None, :] < lim[:, None]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VP + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd,
-                        mask=k_ok[:, None], other=0.0)                               # [BLOCK_N, D]
-            p = p.to(v.dtype)                    # P@V in the cache dtype, as flash kernels do
-            if DOT_F32:
-                p, v = p.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
-            m_i = m_new
+        # Key blocks below every live row's limit need no mask (most of a long causal row); the rest do.
+        lo = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+        full_end = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N
+        for start in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
+                                       stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
+                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False)
+        for start in range(full_end, hi, BLOCK_N):
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
+                                       stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
+                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(O + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -105,22 +133,29 @@ def _paged_attn_kernel(
                  zero.to(O.dtype.element_ty), mask=pad_ok[:, None])
 
 
-def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype, rows_per_seq: float) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (capturable). Long rows take 128-row tiles
+    with 8 warps for head_dim 128 (the usual Hopper flash-attention shape); rows shorter than a tile on
+    average (zigzag blocks, many short requests) keep 64 so fewer rows sit idle. ``profiles/gpu_check.py``
+    sweeps these on the GPU."""
     if device.type != "cuda":
         return 16, 16, 1, 1            # interpreter: small tiles keep numpy work low on short sequences
     if dtype == torch.float32:
         return 64, 32, 4, 2            # fp32 tiles are twice the bytes: keep shared memory under ~64 KiB
-    return (64, 64, 4, 2) if head_dim == 128 else (64, 64, 4, 3)
+    if rows_per_seq < 128:
+        return (64, 64, 4, 2) if head_dim == 128 else (64, 64, 4, 3)
+    return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 4, 3)
 
 
 def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
                            max_q: int, max_kv: int, out: torch.Tensor, *, block_m: int | None = None,
-                           block_n: int | None = None, workspace: dict | None = None) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                           workspace: dict | None = None) -> torch.Tensor:
     """Same contract as ``torch_paged_attention``. ``max_q``/``max_kv`` are accepted for the shared signature
     but never needed: every length is read from device memory, so 0 ("unknown on the host") is fine and
-    the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >= 16) override the tiling."""
+    the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >= 16), ``num_warps`` and
+    ``num_stages`` override the tiling."""
     T, Hq, D = q.shape
     Hkv = k_pool.shape[1]
     assert D in (64, 128), f"triton_paged_attention supports head_dim 64 and 128, got {D}"
@@ -132,8 +167,9 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     assert cu_seqlens_q.shape[0] == S + 1
     if T == 0:
         return out
-    bm, bn, warps, stages = _blocks(q.device, D, q.dtype)
+    bm, bn, warps, stages = _blocks(q.device, D, q.dtype, T / max(S, 1))
     bm, bn = block_m or bm, block_n or bn
+    warps, stages = num_warps or warps, num_stages or stages
     assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0
     if S == 0:
         return out.zero_()
@@ -142,7 +178,8 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     # bf16-rounded operands (same rounding points as the GPU's bf16 dots). fp32 stays exact (no tf32).
     dot_f32 = q.device.type != "cuda" and q.dtype == torch.bfloat16
     prec = "ieee" if q.dtype == torch.float32 or dot_f32 else None
-    grid = (T // bm + S + 1, Hq)
+    grid = (Hq, T // bm + S + 1)
+    assert grid[1] <= 65535, f"{T} query rows need more than 65535 tiles of {bm}; raise block_m"
     _paged_attn_kernel[grid](
         q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, out,
         q.stride(0), q.stride(1), q.stride(2),
