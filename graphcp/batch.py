@@ -50,10 +50,14 @@ def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[lis
             raise RequestError(f"request {rid!r}: input_ids must be a list of ints ({e})") from e
         if tokens.ndim != 1 or tokens.numel() == 0:
             raise RequestError(f"request {rid!r}: input_ids is empty; send at least one new token")
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {vocab_size})")
         rids.append(rid)
         ids.append(tokens)
+    # One range check for the whole batch; the per-request search runs only when it fails.
+    every = torch.cat(ids)
+    if int(every.min()) < 0 or int(every.max()) >= vocab_size:
+        for rid, tokens in zip(rids, ids):
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     return rids, ids

@@ -40,6 +40,7 @@ GPU_BUDGET_S = 450.0          # stop starting new work before 7.5 minutes
 DRY_BUDGET_S = 80.0
 TRITON_MODULE = "graphcp.attention.kernels.triton_attention"
 KV_WRITE_MODULE = "graphcp.attention.kernels.triton_kv_write"
+RMSNORM_MODULE = "graphcp.models.triton_rmsnorm"
 
 
 class SkipPart(Exception):
@@ -201,7 +202,7 @@ def _triton_ready() -> str | None:
     """None when graphcp's Triton kernels can run here, else why not."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    for mod in (TRITON_MODULE, KV_WRITE_MODULE):
+    for mod in (TRITON_MODULE, KV_WRITE_MODULE, RMSNORM_MODULE):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} does not exist in this build"
     return None
@@ -315,7 +316,26 @@ def part_a(rep: Report) -> str:
     rv[slots[:n_rows]] = v[:n_rows]
     mismatch = float(((kp[1:] != rk[1:]).any() | (vp[1:] != rv[1:]).any()).item())
     rep.check("a", f"triton kv_write {n_rows}+{pad} pad rows h{hkv} d{d} bf16", "slots differing", mismatch, 0.0)
+    _check_rmsnorm(rep, device)
     return ""
+
+
+def _check_rmsnorm(rep: Report, device: str) -> None:
+    """The Triton RMSNorm against the torch form: hidden rows, and q-norm heads sliced from a fused qkv."""
+    import torch
+
+    from graphcp.models.layers import rms_norm_torch
+    from graphcp.models.triton_rmsnorm import triton_rms_norm
+    t, hidden, heads, d = (9, 64, 2, 64) if rep.dry_run else (8192, 4096, 32, 128)
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(t, hidden, generator=gen) * 4).to(torch.bfloat16).to(device)
+    w = torch.randn(hidden, generator=gen).to(torch.bfloat16).to(device)
+    qkv = torch.randn(t, 3 * heads * d, generator=gen).to(torch.bfloat16).to(device)
+    q, wd = qkv[:, : heads * d].view(t, heads, d), w[:d].contiguous()
+    for name, a, b in (("rows", x, w), ("q heads of fused qkv", q, wd)):
+        ref = rms_norm_torch(a, b, 1e-6).float()
+        err = float((triton_rms_norm(a, b, 1e-6).float() - ref).abs().max() / ref.abs().max())
+        rep.check("a", f"triton rmsnorm {name} {tuple(a.shape)} bf16", "max rel err", err, 1e-2)
 
 
 def _flashinfer_kernels(rep: Report, dtype, head_dim: int) -> list:  # noqa: ANN001

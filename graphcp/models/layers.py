@@ -1,7 +1,9 @@
 """Small layers shared by the llama family: RMSNorm and the rotary embedding."""
 from __future__ import annotations
 
+import importlib.util
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -9,18 +11,40 @@ from torch import nn
 from graphcp.models.config import ModelConfig
 
 
+def _triton_rms_norm():
+    """The one-launch Triton RMSNorm where triton is importable (used for CUDA tensors only), else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        from graphcp.models.triton_rmsnorm import triton_rms_norm
+    except ImportError:
+        return None
+    return triton_rms_norm
+
+
 class RMSNorm(nn.Module):
+    fused: Callable | None = None        # set on the first CUDA call: the Triton kernel, or None (torch form)
+    fused_checked = False
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, then back to the input dtype before the weight, as the HF reference does.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        if x.is_cuda:
+            if not RMSNorm.fused_checked:
+                RMSNorm.fused, RMSNorm.fused_checked = _triton_rms_norm(), True
+            if RMSNorm.fused is not None and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype:
+                return RMSNorm.fused(x, self.weight, self.eps)
+        return rms_norm_torch(x, self.weight, self.eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 statistics, then back to the input dtype before the weight, as the HF reference does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

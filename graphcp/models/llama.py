@@ -15,6 +15,28 @@ from graphcp.models.layers import RMSNorm, RotaryEmbedding
 from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo, VocabEmbedding, vocab_logits
 
 
+def _fuse(linears: tuple[nn.Linear, ...]) -> tuple:
+    """Concatenate the output rows of ``linears``; each keeps its parameter as a view (no extra memory)."""
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    sizes, start = [], 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[start:start + n]
+        if bias is not None:
+            m.bias.data = bias[start:start + n]
+        sizes.append(n)
+        start += n
+    return weight, bias, sizes
+
+
+def _fused_linear(x: torch.Tensor, fused: tuple | None) -> tuple[torch.Tensor, ...]:
+    if fused is None:
+        raise RuntimeError("projections are not fused: call CausalLM.fuse_projections() after loading weights")
+    weight, bias, sizes = fused
+    return nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo) -> None:
         super().__init__()
@@ -30,12 +52,18 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # shared, not a submodule: kept out of the state dict
+        self.qkv: tuple | None = None  # (weight, bias, split sizes) after fuse()
+
+    def fuse(self) -> None:
+        """One GEMM for q, k and v: their loaded weights become views of one concatenated tensor."""
+        self.qkv = _fuse((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = _fused_linear(x, self.qkv)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
@@ -51,12 +79,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
         self.up_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
         self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_up: tuple | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = _fuse((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = current_communicator()
         rows = x.shape[0]
         x = comm.gather(x)
-        partial = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x), reduce=False)
+        gate, up = _fused_linear(x, self.gate_up)
+        partial = self.down_proj(nn.functional.silu(gate) * up, reduce=False)
         out = comm.scatter(partial, rows)                   # reduce-scatter to this rank's rows
         return self.down_proj.reduce(partial) if out is None else out
 
@@ -114,6 +147,12 @@ class CausalLM(nn.Module):
         """Final norm and LM head (last stage), applied only to the rows that need logits."""
         head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
         return vocab_logits(self.model.norm(hidden), head.weight, self.tp, self.config.vocab_size).float()
+
+    def fuse_projections(self) -> None:
+        """After loading: q/k/v and gate/up each become one GEMM (fewer launches, larger tiles)."""
+        for layer in self.model.layers.values():
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def source_name(self, name: str) -> str:
         """The checkpoint tensor a parameter loads from (a tied head reads the embedding)."""

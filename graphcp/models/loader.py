@@ -59,6 +59,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
             param.copy_(tensor)
+    model.fuse_projections()
     model.rotary.build(device)
     model.requires_grad_(False)
     model.eval()
