@@ -138,12 +138,15 @@ class ModelRunner:
         with nvtx_range("cp_metadata"):
             meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
                                      self.me.cp_rank % strategy.cp_size, local_cap, self.args.page_size)
+            local_ids = desc.input_ids.index_select(0, meta.token_index)
+            if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy
+                meta, (local_ids,) = meta.to(self.device, local_ids)
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, self.kernel_capturable, self.host,
                                    split_early_late=self.backend == "flashattention" and strategy.name == "zigzag",
                                    scale=self.scale)
         with forward_context(attention, self.communicator):
             if self.first_stage:
-                hidden = self.model(desc.input_ids.index_select(0, meta.token_index), meta.positions)
+                hidden = self.model(local_ids, meta.positions)
             else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
                 hidden = torch.empty(local_cap, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
                 recv(hidden, src=self.rank - self.args.tp_size)
@@ -281,8 +284,7 @@ class ModelRunner:
         with counter:
             host = Descriptors.allocate(len(ext), pages_cap, max(1, sum(ext)))
             host.fill(ext, prefix, rows, ids)
-            desc = host.to(self.device) if self.device.type != "cpu" else host
-            logits = self.forward(desc, plan.strategy, plan.local_cap)
+            logits = self.forward(host, plan.strategy, plan.local_cap)    # metadata on the host, then one copy
         return (None if logits is None or n == 0 else logits[:n]), counter.count
 
     @torch.inference_mode()

@@ -40,7 +40,7 @@ GPU_BUDGET_S = 450.0          # stop starting new work before 7.5 minutes
 DRY_BUDGET_S = 80.0
 TRITON_MODULE = "graphcp.attention.kernels.triton_attention"
 KV_WRITE_MODULE = "graphcp.attention.kernels.triton_kv_write"
-RMSNORM_MODULE = "graphcp.models.triton_rmsnorm"
+LAYER_OP_MODULES = ("graphcp.models.triton_rmsnorm", "graphcp.models.triton_rope")
 
 
 class SkipPart(Exception):
@@ -202,7 +202,7 @@ def _triton_ready() -> str | None:
     """None when graphcp's Triton kernels can run here, else why not."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    for mod in (TRITON_MODULE, KV_WRITE_MODULE, RMSNORM_MODULE):
+    for mod in (TRITON_MODULE, KV_WRITE_MODULE, *LAYER_OP_MODULES):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} does not exist in this build"
     return None
@@ -316,26 +316,34 @@ def part_a(rep: Report) -> str:
     rv[slots[:n_rows]] = v[:n_rows]
     mismatch = float(((kp[1:] != rk[1:]).any() | (vp[1:] != rv[1:]).any()).item())
     rep.check("a", f"triton kv_write {n_rows}+{pad} pad rows h{hkv} d{d} bf16", "slots differing", mismatch, 0.0)
-    _check_rmsnorm(rep, device)
+    _check_layer_ops(rep, device)
     return ""
 
 
-def _check_rmsnorm(rep: Report, device: str) -> None:
-    """The Triton RMSNorm against the torch form: hidden rows, and q-norm heads sliced from a fused qkv."""
+def _check_layer_ops(rep: Report, device: str) -> None:
+    """The Triton RMSNorm and rotary embedding against their torch forms, on hidden rows and on q heads
+    sliced from a fused qkv output (strided, as the model passes them)."""
     import torch
 
-    from graphcp.models.layers import rms_norm_torch
+    from graphcp.models.layers import rms_norm_torch, rope_torch
     from graphcp.models.triton_rmsnorm import triton_rms_norm
+    from graphcp.models.triton_rope import triton_rope
     t, hidden, heads, d = (9, 64, 2, 64) if rep.dry_run else (8192, 4096, 32, 128)
+    bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(11)
-    x = (torch.randn(t, hidden, generator=gen) * 4).to(torch.bfloat16).to(device)
-    w = torch.randn(hidden, generator=gen).to(torch.bfloat16).to(device)
-    qkv = torch.randn(t, 3 * heads * d, generator=gen).to(torch.bfloat16).to(device)
+    x = (torch.randn(t, hidden, generator=gen) * 4).to(bf16).to(device)
+    w = torch.randn(hidden, generator=gen).to(bf16).to(device)
+    qkv = torch.randn(t, 3 * heads * d, generator=gen).to(bf16).to(device)
     q, wd = qkv[:, : heads * d].view(t, heads, d), w[:d].contiguous()
-    for name, a, b in (("rows", x, w), ("q heads of fused qkv", q, wd)):
-        ref = rms_norm_torch(a, b, 1e-6).float()
-        err = float((triton_rms_norm(a, b, 1e-6).float() - ref).abs().max() / ref.abs().max())
-        rep.check("a", f"triton rmsnorm {name} {tuple(a.shape)} bf16", "max rel err", err, 1e-2)
+    angles = (torch.rand(t, d // 2, generator=gen) * 100).to(device)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(bf16)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(bf16)
+    cases = (("rmsnorm rows", triton_rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6)),
+             ("rmsnorm q heads of fused qkv", triton_rms_norm(q, wd, 1e-6), rms_norm_torch(q, wd, 1e-6)),
+             ("rope q heads of fused qkv", triton_rope(q, cos, sin), rope_torch(q, cos[:, None], sin[:, None])))
+    for name, got, ref in cases:
+        err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+        rep.check("a", f"triton {name} {tuple(ref.shape)} bf16", "max rel err", err, 2e-2 if rep.dry_run else 1e-2)
 
 
 def _flashinfer_kernels(rep: Report, dtype, head_dim: int) -> list:  # noqa: ANN001
@@ -413,7 +421,6 @@ def part_b(rep: Report) -> str:
             sdpa = torch.nn.functional.scaled_dot_product_attention
             s_ms = _cuda_ms(lambda: sdpa(sq, kc, vc, is_causal=True, scale=scale), 2, reps)
             row.update(sdpa_ms=s_ms, sdpa_tflops=flops / s_ms / 1e9)
-            del kc, vc
         except Exception as e:  # noqa: BLE001
             notes.append(f"SDPA yardstick failed: {type(e).__name__}")
         for fi_name, fi_fn in _flashinfer_kernels(rep, torch.bfloat16, d):
@@ -425,7 +432,6 @@ def part_b(rep: Report) -> str:
         rep.kernel_perf.append(row)
         print(f"   {row['shape']}: triton {ms:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s "
               f"({row['pct_peak']:.1f}% of peak)", flush=True)
-        del q, kp, vp, out
     return "; ".join(notes)
 
 
@@ -570,7 +576,6 @@ def _hf(rep: Report, state: dict, path: str, vocab: int, reps: int) -> str:
                       1e-4 if rep.dry_run else 0.1, note="HF on the same weights" +
                       ("" if rep.dry_run else "; bf16, different kernels"))
         print(f"   {shape}: HF {row['hf_ms']:.2f} ms (graphcp eager is {row['eager_vs_hf']:.2f}x HF speed)", flush=True)
-    del model
     return ""
 
 

@@ -7,7 +7,7 @@ them out). No host syncs, no data-dependent shapes, no constants copied from the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -29,6 +29,20 @@ class CPMetadata:
     q_limits: torch.Tensor       # [local_cap] keys each local query may see (bottom-right causal)
     logit_rows: torch.Tensor     # [R] local row of each request's last token
     logit_owner: torch.Tensor    # [R] 1 where this rank holds that row
+
+
+    def to(self, device: torch.device, *extra: torch.Tensor) -> tuple["CPMetadata", list[torch.Tensor]]:
+        """Every field (and ``extra`` int64 tensors) moved in one host-to-device copy: an eager forward on
+        a GPU builds its metadata on the host and ships it whole, instead of ~100 small kernel launches."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        parts = [getattr(self, n) for n in names] + list(extra)
+        assert all(t.dtype == torch.int64 for t in parts), "metadata is int64 throughout"
+        flat = torch.cat([t.reshape(-1) for t in parts]).to(device)
+        moved, start = [], 0
+        for t in parts:
+            moved.append(flat[start:start + t.numel()].view(t.shape))
+            start += t.numel()
+        return replace(self, **dict(zip(names, moved))), moved[len(names):]
 
 
 def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:

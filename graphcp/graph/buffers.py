@@ -37,9 +37,3 @@ class Descriptors:
             self.page_table[i, :len(row)] = torch.tensor(row)
         flat = torch.cat(ids)
         self.input_ids[:flat.numel()] = flat
-
-    def to(self, device: torch.device) -> "Descriptors":
-        req_cap, pages_cap = self.page_table.shape
-        out = Descriptors.allocate(req_cap, pages_cap, self.input_ids.numel(), device)
-        out.packed.copy_(self.packed, non_blocking=True)
-        return out

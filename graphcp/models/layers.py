@@ -1,6 +1,7 @@
 """Small layers shared by the llama family: RMSNorm and the rotary embedding."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 from typing import Callable
@@ -10,33 +11,37 @@ from torch import nn
 
 from graphcp.models.config import ModelConfig
 
+_TRITON_FORMS = {"rms_norm": ("graphcp.models.triton_rmsnorm", "triton_rms_norm"),
+                 "rope": ("graphcp.models.triton_rope", "triton_rope")}
+_CUDA_KERNELS: dict[str, Callable | None] = {}
 
-def _triton_rms_norm():
-    """The one-launch Triton RMSNorm where triton is importable (used for CUDA tensors only), else None."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    try:
-        from graphcp.models.triton_rmsnorm import triton_rms_norm
-    except ImportError:
-        return None
-    return triton_rms_norm
+
+def cuda_kernel(name: str) -> Callable | None:
+    """graphcp's one-launch Triton form of a layer op (``rms_norm``, ``rope``) for CUDA tensors, or None
+    where triton is not importable (the torch form then runs). Looked up once per process."""
+    if name not in _CUDA_KERNELS:
+        fn = None
+        if importlib.util.find_spec("triton") is not None:
+            module, attr = _TRITON_FORMS[name]
+            try:
+                fn = getattr(importlib.import_module(module), attr)
+            except ImportError:
+                fn = None
+        _CUDA_KERNELS[name] = fn
+    return _CUDA_KERNELS[name]
 
 
 class RMSNorm(nn.Module):
-    fused: Callable | None = None        # set on the first CUDA call: the Triton kernel, or None (torch form)
-    fused_checked = False
-
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            if not RMSNorm.fused_checked:
-                RMSNorm.fused, RMSNorm.fused_checked = _triton_rms_norm(), True
-            if RMSNorm.fused is not None and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype:
-                return RMSNorm.fused(x, self.weight, self.eps)
+        if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype:
+            fused = cuda_kernel("rms_norm")
+            if fused is not None:
+                return fused(x, self.weight, self.eps)
         return rms_norm_torch(x, self.weight, self.eps)
 
 
@@ -94,7 +99,16 @@ class RotaryEmbedding(nn.Module):
             sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
             cached = self._last = (positions, cos, sin)
         _, cos, sin = cached
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        fused = cuda_kernel("rope") if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 else None
+        if fused is not None:
+            cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
+            return fused(q, cos2, sin2), fused(k, cos2, sin2)
+        return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, 1, D]: the HF form, rounding in x's dtype after each op."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

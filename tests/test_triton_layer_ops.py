@@ -1,0 +1,73 @@
+"""The one-launch Triton forms of the layer ops (used on CUDA) against their torch forms, in Triton's
+interpreter on CPU: RMSNorm and the rotary embedding, on contiguous tensors and on column slices of a
+fused qkv projection."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from graphcp.models.layers import cuda_kernel, rms_norm_torch, rope_torch  # noqa: E402
+from graphcp.models.triton_rmsnorm import triton_rms_norm  # noqa: E402
+from graphcp.models.triton_rope import triton_rope  # noqa: E402
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+def _fused_qkv(gen: torch.Generator, t: int, hq: int, hk: int, d: int, dtype: torch.dtype):
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    return q, k
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (7, 96)), (torch.bfloat16, (5, 64)),
+                                         (torch.float16, (3, 200))])
+def test_rms_norm_rows(dtype, shape):
+    gen = torch.Generator().manual_seed(shape[1])
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    w = torch.randn(shape[1], generator=gen).to(dtype)
+    _close(triton_rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6), dtype)
+
+
+def test_rms_norm_head_slices():
+    gen = torch.Generator().manual_seed(3)
+    q, k = _fused_qkv(gen, 6, 4, 2, 64, torch.float32)
+    w = torch.randn(64, generator=gen)
+    for x in (q, k):
+        got = triton_rms_norm(x, w, 1e-5)
+        assert got.is_contiguous()
+        _close(got, rms_norm_torch(x, w, 1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype,d,hq,hk", [(torch.float32, 64, 4, 2), (torch.bfloat16, 128, 3, 1),
+                                           (torch.float32, 96, 20, 4)])
+def test_rope(dtype, d, hq, hk):
+    """Head counts above the 16-head block and a head_dim whose half is not a power of two included."""
+    gen = torch.Generator().manual_seed(d + hq)
+    t = 9
+    q, k = _fused_qkv(gen, t, hq, hk, d, dtype)
+    angles = torch.rand(t, d // 2, generator=gen) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    for x in (q, k):
+        got = triton_rope(x, cos, sin)
+        ref = rope_torch(x, cos[:, None], sin[:, None])
+        if dtype == torch.float32:
+            _close(got, ref, dtype)
+        else:   # Triton's interpreter truncates on bf16 casts (GPUs round to nearest): a few units in the last place
+            assert (got.float() - ref.float()).abs().max().item() <= 2 ** -5 * ref.float().abs().max().item()
+
+
+def test_lookup():
+    assert cuda_kernel("rms_norm") is triton_rms_norm and cuda_kernel("rope") is triton_rope
