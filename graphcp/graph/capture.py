@@ -230,10 +230,15 @@ class CpuCapture(_Capture):
         self._begin()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         global _active
         try:
-            self._end()
+            if exc_type is None:
+                self._end()
+            else:   # end the interrupted capture so the stream is usable; the original error propagates
+                with contextlib.suppress(RuntimeError):
+                    self._end()
+                self.current = None
         finally:
             _active = None
 
@@ -390,10 +395,15 @@ class CudaCapture(_Capture):
         self._begin()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         global _active
         try:
-            self._end()
+            if exc_type is None:
+                self._end()
+            else:   # end the interrupted capture so the stream is usable; the original error propagates
+                with contextlib.suppress(RuntimeError):
+                    self._end()
+                self.current = None
         finally:
             _active = None
             self._stream_ctx.__exit__(None, None, None)

@@ -120,6 +120,12 @@ class GraphRunner:
                 graph = self._capture(bucket)
         except GraphCaptureError as e:
             error, graph = str(e), None
+        except RuntimeError as e:
+            if self.device.type != "cuda":
+                raise
+            # e.g. an op that is not permitted while a CUDA stream captures: serve this bucket eagerly
+            error, graph = f"CUDA graph capture failed: {str(e).splitlines()[0][:300]}", None
+            torch.cuda.synchronize()
         if not self.agree(error is None):
             error = error or "another rank failed to capture this bucket"
         rec = BucketRecord(bucket, time.perf_counter() - t0, max(0, _memory(self.device) - m0), error)
