@@ -133,7 +133,9 @@ class EngineArgs:
         add("--enable-prefill-cp", action="store_true")
         add("--cp-strategy", default=None, help="zigzag | interleave")
         add("--attention-backend", default="auto", help="auto | trtllm_mha | flashattention | torch")
-        add("--attention-kernel", default="auto", help="auto | flashinfer | triton | torch")
+        add("--attention-kernel", default="auto",
+            help="auto (flashinfer where installed and it fits, else Triton on CUDA, torch on CPU) | flashinfer | "
+                 "triton | torch")
         add("--disable-cuda-graph", action="store_true")
         add("--cuda-graph-buckets", type=int, nargs="+", default=None,
             help="CP-local padded token counts to capture, e.g. 32 64 128")
