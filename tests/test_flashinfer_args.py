@@ -3,6 +3,8 @@
 what flashinfer cannot serve with a ConfigError naming the flag."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -126,3 +128,43 @@ def test_missing_package_is_a_config_error(monkeypatch):
     monkeypatch.setattr(fi, "flashinfer_installed", lambda: False)
     with pytest.raises(ConfigError, match="flashinfer-python"):
         resolve_kernel("flashinfer", torch.device("cpu"), torch.bfloat16, 64)
+
+
+def test_calls_bind_to_the_installed_flashinfer(monkeypatch):
+    """Where flashinfer itself is installed (not in CI: it is the optional [gpu] extra), graphcp's calls must
+    bind to its real signatures; the arithmetic is still the documented model's, so this runs on CPU."""
+    import inspect
+
+    real = pytest.importorskip("flashinfer.prefill")
+    real_trtllm = inspect.signature(real.trtllm_batch_context_with_kv_cache)
+    real_wrapper = real.BatchPrefillWithPagedKVCacheWrapper
+    flashinfer_semantics.install(monkeypatch)
+    monkeypatch.setattr(fi, "_wrappers", {})
+    model = flashinfer_semantics
+
+    def trtllm(*args, **kwargs):
+        real_trtllm.bind(*args, **kwargs)
+        return model.trtllm_batch_context_with_kv_cache(*args, **kwargs)
+
+    class Wrapper(model.BatchPrefillWithPagedKVCacheWrapper):
+        def __init__(self, *args, **kwargs):
+            inspect.signature(real_wrapper.__init__).bind(self, *args, **kwargs)
+            super().__init__(*args, **kwargs)
+
+        def plan(self, *args, **kwargs):
+            inspect.signature(real_wrapper.plan).bind(self, *args, **kwargs)
+            return super().plan(*args, **kwargs)
+
+        def run(self, *args, **kwargs):
+            inspect.signature(real_wrapper.run).bind(self, *args, **kwargs)
+            return super().run(*args, **kwargs)
+
+    prefill = sys.modules["flashinfer.prefill"]
+    monkeypatch.setattr(prefill, "trtllm_batch_context_with_kv_cache", trtllm)
+    monkeypatch.setattr(prefill, "BatchPrefillWithPagedKVCacheWrapper", Wrapper)
+    q, k_pool, v_pool, meta = _zigzag_case(9, 16, 2)
+    ref = torch_paged_attention(q, k_pool, v_pool, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, 16, 0.125,
+                                8, 64, torch.empty_like(q))
+    for kernel in KERNELS.values():
+        out = _run(kernel, q, k_pool, v_pool, meta, 16, int(meta.q_lens.max()), int(meta.kv_lens.max()))
+        assert (out - ref).abs().max().item() <= 1e-5
