@@ -126,3 +126,10 @@ def test_bad_requests_leave_engine_serving(checkpoint, engines, oracle, cp):
     s.run([("held", random_ids(9, VOCAB, 10)), ("after", random_ids(30, VOCAB, 11))])   # still exact
     s.release_all()
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
+
+
+def test_flashinfer_on_cpu_is_refused_at_start(checkpoint):
+    """An explicit kernel the machine cannot run stops the engine before it serves, naming the flag."""
+    from graphcp import Engine
+    with pytest.raises(ConfigError, match="--attention-kernel flashinfer"):
+        Engine(EngineArgs(model_path=checkpoint, device="cpu", attention_kernel="flashinfer"))
