@@ -42,7 +42,7 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     assert cos.stride(-1) == 1 and sin.stride() == cos.stride()
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T and H:
-        block_h = min(16, triton.next_power_of_2(H))
+        block_h = max(2, min(16, triton.next_power_of_2(H)))     # >= 2: no size-1 aranges
         _rope_kernel[(T, triton.cdiv(H, block_h))](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
                                                    out.stride(1), cos.stride(0), H, HALF=D // 2,
                                                    BLOCK_D=triton.next_power_of_2(D // 2), BLOCK_H=block_h)
