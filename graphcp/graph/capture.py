@@ -230,15 +230,10 @@ class CpuCapture(_Capture):
         self._begin()
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:
         global _active
         try:
-            if exc_type is None:
-                self._end()
-            else:   # end the interrupted capture so the stream is usable; the original error propagates
-                with contextlib.suppress(RuntimeError):
-                    self._end()
-                self.current = None
+            self._end()          # leaves the recording mode, also after an error (which then propagates)
         finally:
             _active = None
 
