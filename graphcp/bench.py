@@ -93,6 +93,8 @@ def run(argv: list[str]) -> int:
     print(f"graphcp bench: {args.model_path}  CP={args.cp_size} {args.cp_strategy or ''}  "
           f"device={args.resolved_device()}  reps={ns.reps}")
     with Engine(args) as engine:
+        stats = engine.stats()
+        print(f"attention kernel: {stats['attention_kernel']}  graph buckets: {stats['graph_buckets'] or 'none'}")
         for n, length in cases:
             batch = [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
             requests = [Request(f"b{i}", ids) for i, ids in enumerate(batch)]
