@@ -98,6 +98,15 @@ def test_paged_plans_once_per_layout_per_forward(semantics):
     assert len(semantics.plans) == 3 and len(fi._wrappers[q.device]) == 2
 
 
+def test_trtllm_arguments_built_once_per_forward(semantics):
+    """Layers share the int32 tables and cumulative lengths (under capture: recorded once, read by every layer)."""
+    q, k_pool, v_pool, meta = _zigzag_case(6, 16, 2)
+    workspace: dict = {}
+    outs = [_run(fi.flashinfer_trtllm_attention, q, k_pool, v_pool, meta, 16, 0, 0, workspace) for _ in range(3)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert [k[0] for k in workspace] == ["trtllm"]
+
+
 def test_paged_plan_arguments(semantics):
     """Hand-checked plan: rows (q 3, kv 5) and (q 0) and (q 2, kv 17) with page size 4."""
     cu = torch.tensor([0, 3, 3, 5])

@@ -124,6 +124,6 @@ class PagedAttention:
         out = torch.empty_like(q)
         if self.capturable and not self.split:
             return _attend(self.kernel, q, pool.keys(layer_id), pool.values(layer_id), meta.cu_seqlens_q, meta.page_rows,
-                           meta.q_limits, pool.page_size, self.scale, 0, 0, out)
+                           meta.q_limits, pool.page_size, self.scale, 0, 0, out, self.host.workspace)
         return _attend_break(self.kernel, q, pool.keys(layer_id), pool.values(layer_id), meta.cu_seqlens_q, meta.page_rows,
                              meta.q_limits, pool.page_size, self.scale, self.host, out, split=self.split)

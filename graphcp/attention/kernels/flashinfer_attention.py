@@ -77,15 +77,36 @@ def flashinfer_trtllm_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: t
     """``max_q``/``max_kv`` of 0 mean "unknown on the host" (graph capture): the shape bounds stand in."""
     prefill = importlib.import_module("flashinfer.prefill")
     rows, pages = page_rows.shape
-    q_lens, kv_lens = _row_lengths(cu_seqlens_q, q_limits)
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-    cu_kv = torch.cat((zero, torch.cumsum(kv_lens, 0, dtype=torch.int32)))
+    block_tables, kv_lens, cu_q, cu_kv = _cached(workspace, "trtllm", (cu_seqlens_q, page_rows, q_limits),
+                                                 lambda: _trtllm_lengths(cu_seqlens_q, page_rows, q_limits))
     out.zero_()                                       # rows past the last sequence stay zero (the contract)
     prefill.trtllm_batch_context_with_kv_cache(
         q.contiguous(), _paged_views(k_pool, v_pool, page_size), _workspace(q.device),
-        page_rows.to(torch.int32), kv_lens, max_q or q.shape[0], max_kv or pages * page_size,
-        float(scale), 1.0, rows, cu_seqlens_q.to(torch.int32), cu_kv, out=out, kv_layout="NHD")
+        block_tables, kv_lens, max_q or q.shape[0], max_kv or pages * page_size,
+        float(scale), 1.0, rows, cu_q, cu_kv, out=out, kv_layout="NHD")
     return out
+
+
+def _trtllm_lengths(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
+                    q_limits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """int32 block tables, kv lengths and cumulative q/kv lengths, by tensor ops (capturable)."""
+    _, kv_lens = _row_lengths(cu_seqlens_q, q_limits)
+    zero = torch.zeros(1, dtype=torch.int32, device=kv_lens.device)
+    cu_kv = torch.cat((zero, torch.cumsum(kv_lens, 0, dtype=torch.int32)))
+    return page_rows.to(torch.int32), kv_lens, cu_seqlens_q.to(torch.int32), cu_kv
+
+
+def _cached(workspace: dict | None, name: str, inputs: tuple, make):  # noqa: ANN001, ANN202
+    """Per-forward cache keyed by the identity of the metadata tensors: every layer of a forward passes the
+    same ones, so the derived arguments are built once (once per capture, too). The entry keeps its inputs
+    alive, so their ids cannot be reused within the forward."""
+    if workspace is None:
+        return make()
+    key = (name, *(id(t) for t in inputs))
+    entry = workspace.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], inputs)):
+        entry = workspace[key] = (inputs, make())
+    return entry[1]
 
 
 def _paged_plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
@@ -122,19 +143,17 @@ def flashinfer_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     if max_q == 0 or max_kv == 0:
         return out
     workspace = {} if workspace is None else workspace
-    inputs = (cu_seqlens_q, page_rows, q_limits)
-    key = ("flashinfer", *(id(t) for t in inputs), page_size)
-    cached = workspace.get(key)
-    if cached is None or any(a is not b for a, b in zip(cached[0], inputs)):
-        plans = workspace.setdefault("flashinfer_plans", [])
-        wrapper = _wrapper(q.device, len(plans))
+
+    def plan() -> tuple:
+        # A forward with two row layouts (the flashattention split) holds two plans, on two wrappers.
+        index = workspace["flashinfer_plans"] = workspace.get("flashinfer_plans", -1) + 1
+        wrapper = _wrapper(q.device, index)
         qo_indptr, kv_indptr, indices, last_len = _paged_plan(cu_seqlens_q, page_rows, q_limits, page_size)
         wrapper.plan(qo_indptr, kv_indptr, indices, last_len, q.shape[1], k_pool.shape[1], q.shape[2], page_size,
                      causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=k_pool.dtype)
-        cached = (inputs, wrapper, int(qo_indptr[-1]))
-        plans.append(key)
-        workspace[key] = cached
-    _, wrapper, total = cached
+        return wrapper, int(qo_indptr[-1])
+
+    wrapper, total = _cached(workspace, f"paged{page_size}", (cu_seqlens_q, page_rows, q_limits), plan)
     if total:
         wrapper.run(q[:total].contiguous(), _paged_views(k_pool, v_pool, page_size), out=out[:total])
     return out
