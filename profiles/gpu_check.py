@@ -338,7 +338,9 @@ def _check_layer_ops(rep: Report, device: str) -> None:
     angles = (torch.rand(t, d // 2, generator=gen) * 100).to(device)
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(bf16)
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(bf16)
+    res = (torch.randn(t, hidden, generator=gen) * 4).to(bf16).to(device)
     cases = (("rmsnorm rows", triton_rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6)),
+             ("rmsnorm + residual add rows", triton_rms_norm(x, w, 1e-6, res)[0], rms_norm_torch(res + x, w, 1e-6)),
              ("rmsnorm q heads of fused qkv", triton_rms_norm(q, wd, 1e-6), rms_norm_torch(q, wd, 1e-6)),
              ("rope q heads of fused qkv", triton_rope(q, cos, sin), rope_torch(q, cos[:, None], sin[:, None])))
     for name, got, ref in cases:

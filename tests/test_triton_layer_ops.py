@@ -40,6 +40,19 @@ def test_rms_norm_rows(dtype, shape):
     _close(triton_rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_residual_add(dtype):
+    """The residual add fused into the norm: the same sum (rounded to the dtype) and the norm of it."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 80, generator=gen).to(dtype)
+    res = (torch.randn(6, 80, generator=gen) * 5).to(dtype)
+    w = torch.randn(80, generator=gen).to(dtype)
+    normed, total = triton_rms_norm(x, w, 1e-6, res)
+    assert torch.equal(total, res + x) if dtype == torch.float32 else \
+        (total.float() - (res + x).float()).abs().max().item() <= 2 ** -5 * total.float().abs().max().item()
+    _close(normed, rms_norm_torch(total, w, 1e-6), dtype)
+
+
 def test_rms_norm_head_slices():
     gen = torch.Generator().manual_seed(3)
     q, k = _fused_qkv(gen, 6, 4, 2, 64, torch.float32)

@@ -37,12 +37,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # noqa: ANN201
+        """norm(x); with ``residual``: (norm(x + residual), x + residual), the add fused on CUDA."""
+        if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
+                residual is None or (x.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype)):
             fused = cuda_kernel("rms_norm")
             if fused is not None:
-                return fused(x, self.weight, self.eps)
-        return rms_norm_torch(x, self.weight, self.eps)
+                return fused(x, self.weight, self.eps, residual)
+        if residual is None:
+            return rms_norm_torch(x, self.weight, self.eps)
+        total = residual + x
+        return rms_norm_torch(total, self.weight, self.eps), total
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

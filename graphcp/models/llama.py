@@ -103,9 +103,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, ffn_tp)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, delta: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state is ``residual + delta`` (just ``delta`` before the first layer); each residual add
+        happens inside the norm that follows it (one launch on CUDA). Returns (mlp output, residual)."""
+        if residual is None:
+            residual, x = delta, self.input_layernorm(delta)
+        else:
+            x, residual = self.input_layernorm(delta, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -138,10 +145,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Residual stream for this rank's tokens after this stage's layers, before the final norm."""
-        h = self.model.embed_tokens(input_ids) if self.is_first else hidden
+        delta, residual = self.model.embed_tokens(input_ids) if self.is_first else hidden, None
         for layer in self.model.layers.values():
-            h = layer(positions, h)
-        return h
+            delta, residual = layer(positions, delta, residual)
+        return delta if residual is None else residual + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head (last stage), applied only to the rows that need logits."""
