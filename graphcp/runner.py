@@ -66,18 +66,19 @@ class ModelRunner:
         self.dtype = _resolve_dtype(args.dtype, self.device)
         self.model_config = cfg = read_model_config(args.model_path)
         self.backend = args.resolved_backend()
-        interleave = args.cp_size > 1 and args.cp_strategy == "interleave"
-        self.kernel_name = resolve_kernel(args.attention_kernel, self.device, self.dtype, cfg.head_dim,
-                                          bottom_right=not interleave)
-        self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name, self.device)
-        self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
-        self.comm = CPComm(groups.cp, args.cp_size, self.me.cp_rank) if args.cp_size > 1 else None
         atp = args.attn_tp_size
         if cfg.num_key_value_heads % atp:
             raise ConfigError(f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size)) must divide "
                               f"num_key_value_heads={cfg.num_key_value_heads}")
         if args.pp_size > cfg.num_hidden_layers:
             raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
+        interleave = args.cp_size > 1 and args.cp_strategy == "interleave"
+        self.kernel_name = resolve_kernel(args.attention_kernel, self.device, self.dtype, cfg.head_dim,
+                                          bottom_right=not interleave, page_size=args.page_size,
+                                          heads=(cfg.num_attention_heads // atp, cfg.num_key_value_heads // atp))
+        self.kernel, self.kernel_capturable = kernel_fn(self.kernel_name, self.device)
+        self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
+        self.comm = CPComm(groups.cp, args.cp_size, self.me.cp_rank) if args.cp_size > 1 else None
         self.tp = TPInfo(atp, self.me.attn_tp_rank, groups.attn_tp)
         tp_rank = rank % args.tp_size
         # The dense FFN is split over the whole TP world by default; when that is wider than attention TP,

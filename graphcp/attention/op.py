@@ -7,6 +7,7 @@ Backend paths: ``trtllm_mha`` makes one combined varlen call over the zigzag pag
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -19,24 +20,33 @@ from graphcp.graph.capture import graph_break
 from graphcp.kv.cache import KVPool
 from graphcp.profiling import nvtx_range
 
+log = logging.getLogger("graphcp")
 Kernel = Callable[..., torch.Tensor]
 TRITON_HEAD_DIMS = (64, 128)
 
 
 def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   bottom_right: bool = True) -> str:
+                   bottom_right: bool = True, heads: tuple[int, int] | None = None, page_size: int = 16) -> str:
     """The kernel behind the backend. ``auto``: flashinfer where it is installed and can serve the
     configuration (trtllm-gen on compute capability 10.x, the paged prefill wrapper on other GPUs), else
     Triton on CUDA, else torch. An explicit request that cannot be served is a ConfigError naming the flag.
     The Triton kernel covers head_dim 64 and 128; other sizes go through the torch kernel.
-    ``bottom_right`` is False for interleave, whose per-token causal limits flashinfer does not take."""
+    ``bottom_right`` is False for interleave, whose per-token causal limits flashinfer does not take.
+    With ``heads`` (query, kv heads on this rank), a flashinfer choice is probed with one small call first."""
     from graphcp.attention.kernels import flashinfer_attention as fi
     from graphcp.attention.kernels import triton_available
-    if requested == "flashinfer":
+
+    def flashinfer_reason() -> str | None:
         reason = fi.unsupported_reason(device, dtype, head_dim, bottom_right)
+        if reason is None and heads is not None:
+            reason = fi.probe(_flashinfer_variant(device), device, dtype, *heads, head_dim, page_size)
+        return reason
+
+    if requested == "flashinfer":
+        reason = flashinfer_reason()
         if reason is not None:
             raise ConfigError(f"--attention-kernel flashinfer {reason}; or choose --attention-kernel triton or torch")
-        return "flashinfer-" + fi.variant_for_capability(torch.cuda.get_device_capability(device))
+        return "flashinfer-" + _flashinfer_variant(device)
     if requested == "triton":
         if not triton_available(device):
             raise ConfigError("--attention-kernel triton needs the triton package (and on CPU, TRITON_INTERPRET=1 "
@@ -44,9 +54,17 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
         return "triton" if head_dim in TRITON_HEAD_DIMS else "torch"
     if requested == "torch" or device.type != "cuda":
         return "torch"
-    if fi.unsupported_reason(device, dtype, head_dim, bottom_right) is None:
-        return "flashinfer-" + fi.variant_for_capability(torch.cuda.get_device_capability(device))
+    if fi.flashinfer_installed():
+        reason = flashinfer_reason()
+        if reason is None:
+            return "flashinfer-" + _flashinfer_variant(device)
+        log.info("graphcp: attention kernel auto: not flashinfer, which %s", reason)
     return "triton" if triton_available(device) and head_dim in TRITON_HEAD_DIMS else "torch"
+
+
+def _flashinfer_variant(device: torch.device) -> str:
+    from graphcp.attention.kernels.flashinfer_attention import variant_for_capability
+    return variant_for_capability(torch.cuda.get_device_capability(device))
 
 
 def kernel_fn(name: str, device: torch.device | None = None) -> tuple[Kernel, bool]:
