@@ -93,6 +93,13 @@ class ModelRunner:
         tokens = _kv_tokens(args, cfg, self.dtype, self.device)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = min(cfg.max_position_embeddings, tokens)
+        if cfg.sliding_window is not None and cfg.sliding_window < self.max_context:
+            # Within the window every key is visible, so full causal attention is exact; past it, it is not,
+            # and graphcp has no windowed kernels: longer requests are refused instead of answered wrongly.
+            self.max_context = cfg.sliding_window
+            if rank == 0:
+                log.warning("graphcp: the model attends through a %d-token sliding window, which graphcp does not "
+                            "implement: requests are limited to %d tokens", cfg.sliding_window, cfg.sliding_window)
         self.pool = KVPool(len(self.layers), num_pages, args.page_size, cfg.num_key_value_heads // atp, cfg.head_dim,
                            self.dtype, self.device, layer_offset=self.layers.start)
         # Every rank mirrors every DP group's page table, so all ranks accept or refuse a batch alike.

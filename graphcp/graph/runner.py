@@ -161,6 +161,9 @@ class GraphRunner:
         cp, align, ctx = self.strategy.cp_size, self.strategy.align, self.max_context
         min_len = 2 * cp if cp > 1 else 1
         n_min = max(1, -(-(bucket * cp // 2) // ctx))
+        if n_min > self.req_cap:
+            raise GraphCaptureError(f"bucket {bucket}: no batch of <= {self.req_cap} requests within the "
+                                    f"context limit {ctx} fills it")
         n_req = rng.randint(n_min, max(n_min, min(self.req_cap, bucket * cp // (2 * min_len))))
         hi = min(max(n_req * min_len, bucket * cp), n_req * ctx)
         for _ in range(1000):

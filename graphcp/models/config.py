@@ -38,6 +38,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    sliding_window: int | None = None   # set when some layer attends through a window (graphcp caps the context)
 
     @property
     def q_size(self) -> int:
@@ -95,9 +96,26 @@ def read_model_config(model_path: str) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=family == "qwen3",
+        sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
     )
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
     if params > 2 * 10**12:
         raise ConfigError(f"--model-path: config.json describes {params / 1e9:.0f}B parameters, beyond any machine")
     return cfg
+
+
+def _sliding_window(raw: dict, arch: str, num_layers: int) -> int | None:
+    """The attention window when any layer uses one, as HF transformers reads the config: ``layer_types``
+    where present; else Mistral's ``sliding_window``, or Qwen2/3's ``use_sliding_window`` for the layers
+    from ``max_window_layers`` on. Llama has none."""
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or arch == "LlamaForCausalLM":
+        return None
+    if raw.get("layer_types") is not None:
+        return window if "sliding_attention" in raw["layer_types"] else None
+    if arch == "MistralForCausalLM":
+        return window
+    if raw.get("use_sliding_window") and raw.get("max_window_layers", num_layers) < num_layers:
+        return window
+    return None
