@@ -57,3 +57,17 @@ def test_composition_matches_hf(checkpoint, engines, oracle, name):
 def test_invalid_compositions(checkpoint, kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         Engine(EngineArgs(model_path=checkpoint, max_total_tokens=1024, **kwargs))
+
+
+@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True,
+                                                          cp_strategy="zigzag")], ids=["tp2", "cp2_ffn_tp2"])
+def test_row_split_biases_match_hf(ckpt_dir, oracle, layout):
+    """Biases of row-split layers are added once, after the sum: o_proj and down_proj split over attention TP
+    (all-reduce), and down_proj behind the layer communicator (reduce-scatter)."""
+    from hf_reference import make_checkpoint
+    from parity import Session, random_ids
+    path = make_checkpoint(str(ckpt_dir / "llama-biases-tp"), "llama", seed=5, attention_bias=True, mlp_bias=True)
+    with Engine(EngineArgs(model_path=path, max_total_tokens=2048, **layout)) as engine:
+        s = Session(engine, oracle, path)
+        s.run([("a", random_ids(33, 211, 1)), ("b", random_ids(70, 211, 2))])
+        s.run([("a", random_ids(12, 211, 3))])

@@ -15,6 +15,8 @@ ARCHS = {
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral": dict(family="mistral", num_key_value_heads=1),
     "qwen2_bias": dict(family="qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=2),
+    "llama_biases": dict(family="llama", attention_bias=True, mlp_bias=True),       # q/k/v/o and gate/up/down
+    "qwen3_attention_bias": dict(family="qwen3", attention_bias=True),
 }
 
 

@@ -38,6 +38,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False         # o_proj bias (Llama and Qwen3 with attention_bias)
+    mlp_bias: bool = False       # gate/up/down biases (Llama's mlp_bias)
     sliding_window: int | None = None   # set when some layer attends through a window (graphcp caps the context)
 
     @property
@@ -87,6 +89,9 @@ def read_model_config(model_path: str) -> ModelConfig:
     scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    # As transformers builds them: Llama and Qwen3 put attention_bias on q/k/v/o, Qwen2 always biases q/k/v
+    # (never o), Mistral has no biases; only Llama reads mlp_bias.
+    attention_bias = bool(raw.get("attention_bias", False))
     cfg = ModelConfig(
         architecture=arch, family=family, vocab_size=need("vocab_size"), hidden_size=hidden,
         intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
@@ -94,8 +99,10 @@ def read_model_config(model_path: str) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
         qk_norm=family == "qwen3",
+        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
     )
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)

@@ -47,7 +47,7 @@ class SelfAttention(nn.Module):
         self.q_proj = ColumnLinear(cfg.hidden_size, cfg.q_size, cfg.qkv_bias, tp, unit=d)
         self.k_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
         self.v_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
-        self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, tp, unit=d)
+        self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, tp, unit=d, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -76,9 +76,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
         super().__init__()
-        self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
-        self.up_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, False, tp)
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.up_proj = ColumnLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
+        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias)
         self.gate_up: tuple | None = None
 
     def fuse(self) -> None:
@@ -91,7 +91,7 @@ class GatedMLP(nn.Module):
         gate, up = _fused_linear(x, self.gate_up)
         partial = self.down_proj(nn.functional.silu(gate) * up, reduce=False)
         out = comm.scatter(partial, rows)                   # reduce-scatter to this rank's rows
-        return self.down_proj.reduce(partial) if out is None else out
+        return self.down_proj.reduce(partial) if out is None else self.down_proj.add_bias(out)
 
 
 class DecoderLayer(nn.Module):

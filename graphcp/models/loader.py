@@ -49,8 +49,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files)
     model = model.to_empty(device=device).to(dtype)
     params = model.state_dict()
+    # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
-              for p in ("weight", "bias") if getattr(mod, p, None) is not None}
+              for p in ("weight", "bias")
+              if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
     with torch.no_grad():
         for name, param in params.items():
             source = model.source_name(name)

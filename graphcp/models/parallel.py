@@ -40,20 +40,26 @@ class ColumnLinear(nn.Linear):
 
 class RowLinear(nn.Linear):
     """Input features split across the group; partial outputs are summed over the group (``reduce``),
-    or left partial for a caller that reduces them itself (a reduce-scatter)."""
+    or left partial for a caller that reduces them itself (a reduce-scatter, then ``add_bias``). A bias is
+    whole on every rank and added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPInfo, unit: int = 1) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo, unit: int = 1, bias: bool = False) -> None:
         start, end = shard_range(in_features, tp.size, tp.rank, unit)
-        super().__init__(end - start, out_features, bias=False)
+        super().__init__(end - start, out_features, bias=bias)
         self.shard = (1, start, end)
         self.tp = tp
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        y = super().forward(x)
+        if reduce and self.tp.size == 1:
+            return super().forward(x)                    # one GEMM with the bias, as an unsplit Linear
+        y = nn.functional.linear(x, self.weight)
         return self.reduce(y) if reduce else y
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return all_reduce(partial, self.tp.group) if self.tp.size > 1 else partial
+        return self.add_bias(all_reduce(partial, self.tp.group) if self.tp.size > 1 else partial)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(nn.Embedding):
