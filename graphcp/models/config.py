@@ -87,6 +87,11 @@ def read_model_config(model_path: str) -> ModelConfig:
     if rope_type not in ("default", "linear", "llama3"):
         raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
     scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ConfigError(f"--model-path: quantized checkpoints are not supported (quantization_config: {method}); "
+                          "use the unquantized bf16/fp16 checkpoint")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     # As transformers builds them: Llama and Qwen3 put attention_bias on q/k/v/o, Qwen2 always biases q/k/v
