@@ -45,11 +45,16 @@ def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[lis
             raise RequestError(f"request {rid!r} appears twice in one batch")
         seen.add(rid)
         try:
-            tokens = torch.as_tensor(list(req.input_ids), dtype=torch.long)
+            tokens = torch.as_tensor(list(req.input_ids))
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise RequestError(f"request {rid!r}: input_ids must be a list of ints ({e})") from e
-        if tokens.ndim != 1 or tokens.numel() == 0:
+        if tokens.numel() == 0:
             raise RequestError(f"request {rid!r}: input_ids is empty; send at least one new token")
+        if tokens.ndim != 1 or tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            # as_tensor(..., dtype=long) would truncate 1.5 to 1 silently: refuse anything but integer ids
+            raise RequestError(f"request {rid!r}: input_ids must be a flat list of ints, got {tokens.dtype} "
+                               f"with shape {list(tokens.shape)}")
+        tokens = tokens.to(torch.long)
         rids.append(rid)
         ids.append(tokens)
     # One range check for the whole batch; the per-request search runs only when it fails.

@@ -103,6 +103,9 @@ def _bad_batches(vocab: int):
     return [
         ([], "empty batch"),
         ([good, ("e", [])], "'e'.*empty"),
+        ([good, ("float", [1.5, 2.0])], "'float'.*ints, got torch.float"),
+        ([good, ("bool", [True, False])], "'bool'.*ints, got torch.bool"),
+        ([good, ("nested", [[1, 2], [3, 4]])], "'nested'.*flat list"),
         ([good, ("big", [0, vocab])], f"'big'.*{vocab}"),
         ([good, ("neg", [-1, 3])], "'neg'.*-1"),
         ([good, ("ok", [1, 2])], "'ok' appears twice"),
