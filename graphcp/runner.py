@@ -90,7 +90,7 @@ class ModelRunner:
         self.first_stage, self.last_stage = self.me.pp_rank == 0, self.me.pp_rank == args.pp_size - 1
 
         self.model = load_model(args.model_path, self.dtype, self.device, self.tp, self.layers, ffn_tp)
-        tokens = _kv_tokens(args, cfg, self.dtype, self.device)
+        tokens = _kv_tokens(args, cfg, self.dtype, self.device, len(self.layers))
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = min(cfg.max_position_embeddings, tokens)
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_context:
@@ -349,16 +349,21 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _kv_tokens(args: EngineArgs, cfg, dtype: torch.dtype, device: torch.device) -> int:
-    """KV pool capacity per rank: --max-total-tokens, else a share of free memory."""
-    if args.max_total_tokens is not None:
-        return args.max_total_tokens
-    per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+def _kv_tokens(args: EngineArgs, cfg, dtype: torch.dtype, device: torch.device, num_layers: int) -> int:
+    """KV pool capacity per rank: --max-total-tokens (checked against free memory), else a share of it."""
+    kv_heads = cfg.num_key_value_heads // args.attn_tp_size
+    per_token = KVPool.bytes_per_token(num_layers, kv_heads, cfg.head_dim, dtype)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * 0.6)
-    else:
-        budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.2 / args.world_size)
+        free = torch.cuda.mem_get_info(device)[0]
+    else:   # ranks on one host share its memory
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // args.world_size
+    if args.max_total_tokens is not None:
+        need = args.max_total_tokens * per_token
+        if need > 0.9 * free:
+            raise ConfigError(f"--max-total-tokens {args.max_total_tokens}: the KV pool needs {need / 2**30:.2f} GiB "
+                              f"per rank and {free / 2**30:.2f} GiB is free; lower it or leave it unset")
+        return args.max_total_tokens
+    budget = int(free * (0.6 if device.type == "cuda" else 0.2))
     tokens = min(budget // per_token, cfg.max_position_embeddings * args.max_batch_requests)
     if tokens < args.page_size:
         raise ConfigError("not enough memory for a KV pool; set --max-total-tokens or free memory")

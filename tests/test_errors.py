@@ -138,3 +138,9 @@ def test_flashinfer_on_cpu_is_refused_at_start(checkpoint):
     from graphcp import Engine
     with pytest.raises(ConfigError, match="--attention-kernel flashinfer"):
         Engine(EngineArgs(model_path=checkpoint, device="cpu", attention_kernel="flashinfer"))
+
+
+def test_kv_pool_larger_than_memory_is_refused_at_start(checkpoint):
+    from graphcp import Engine
+    with pytest.raises(ConfigError, match=r"--max-total-tokens 100000000000: the KV pool needs .* GiB per rank"):
+        Engine(EngineArgs(model_path=checkpoint, device="cpu", max_total_tokens=10**11, disable_cuda_graph=True))
