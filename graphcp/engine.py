@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as connection_wait
@@ -53,6 +54,7 @@ class Engine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        self._lock = threading.RLock()      # one call at a time: ranks answer in order over their sockets
         self._runner = None
         self._workers: list[tuple[_Proc, Any]] = []
         self._dead: str | None = None
@@ -159,6 +161,10 @@ class Engine:
         return replies
 
     def _call(self, cmd: str, payload: Any = None, timeout: float | None = None) -> Any:
+        with self._lock:
+            return self._call_locked(cmd, payload, timeout)
+
+    def _call_locked(self, cmd: str, payload: Any, timeout: float | None) -> Any:
         if self._dead:
             raise EngineDeadError(f"graphcp engine is unusable: {self._dead}")
         if self._runner is not None:
@@ -229,7 +235,12 @@ class Engine:
         return sizes
 
     def close(self, graceful: bool = True) -> None:
-        """Stop every rank; none is left behind. Not graceful after a fault: a stuck rank is not waited on."""
+        """Stop every rank; none is left behind. Not graceful after a fault: a stuck rank is not waited on.
+        Waits for a call in flight on another thread (bounded by --rank-timeout)."""
+        with self._lock:
+            self._close(graceful)
+
+    def _close(self, graceful: bool) -> None:
         for proc, conn in self._workers:
             try:
                 if proc.is_alive() and graceful:
@@ -256,7 +267,7 @@ class Engine:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_workers", None):
+        if getattr(self, "_workers", None) and hasattr(self, "_lock"):
             self.close()
 
 

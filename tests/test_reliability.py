@@ -75,3 +75,40 @@ def test_clean_shutdown_leaves_no_process(checkpoint):
     assert not any(_alive(p) for p in pids)
     with pytest.raises(EngineDeadError, match="closed"):
         engine.prefill([Request("b", random_ids(20, VOCAB, 2))])
+
+
+def test_calls_from_several_threads_are_serialized(checkpoint, engines):
+    """A serving loop may call from several threads: each call is answered whole, results are exact."""
+    import threading
+
+    import torch
+    engine = engines.get(checkpoint, **cp_kwargs(2))
+    batches = {t: [Request(f"t{t}_{i}", random_ids(20 + 7 * i + t, 211, 100 * t + i)) for i in range(3)]
+               for t in range(3)}
+    expected = {}
+    for t, batch in batches.items():
+        expected[t] = engine.prefill(batch).logits
+        for r in batch:
+            engine.release(r.rid)
+    got, errors = {}, []
+
+    def serve(t: int) -> None:
+        try:
+            for _ in range(3):
+                out = engine.prefill(batches[t])
+                got.setdefault(t, []).append(out.logits)
+                for r in batches[t]:
+                    engine.release(r.rid)
+                engine.stats()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(t,)) for t in batches]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    for t, outs in got.items():
+        assert len(outs) == 3 and all(torch.equal(o, expected[t]) for o in outs)
+    assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
