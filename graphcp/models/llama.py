@@ -1,4 +1,5 @@
-"""Llama-family causal LM (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), HF weight names.
+"""Llama-family causal LM (Llama with optional attention/MLP biases, Mistral, Qwen2 with qkv bias, Qwen3 with
+q/k norm and optional attention bias), HF weight names.
 
 Heads and the vocabulary are split over the attention TP group (``tp``), MLP features over the FFN TP
 group (``ffn_tp``, the whole TP world); a pipeline stage builds only its layers (``layers``), the first
