@@ -59,6 +59,7 @@ class Engine:
         self._workers: list[tuple[_Proc, Any]] = []
         self._dead: str | None = None
         self._spmd = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        self._owns_group = False            # torchrun: this engine started the process group, so it ends it
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         if self._spmd:
@@ -85,6 +86,7 @@ class Engine:
                               f"change --nproc-per-node or --tp")
         if not dist.is_initialized():
             init_group(self.args, rank, world, "env://")
+            self._owns_group = True
         self._runner = ModelRunner(self.args, rank, rank_device(self.args, rank), capture_progress=rank == 0)
         self._start_stats = self._runner.stats()
 
@@ -258,6 +260,13 @@ class Engine:
                 proc.join(timeout=5)
             conn.close()
         self._workers = []
+        if self._runner is not None and self._owns_group and dist.is_initialized():
+            # Every rank closes; the barrier lets each finish its last transfers before gloo is torn down
+            # (tearing it down with a peer mid-transfer can abort the process at exit).
+            if graceful:
+                dist.barrier()
+            dist.destroy_process_group()
+            self._owns_group = False
         self._runner = None
 
     def __enter__(self) -> "Engine":
