@@ -68,6 +68,8 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             return
         if cmd == "stop":
             conn.send(("ok", None))
+            if dist.is_initialized():
+                dist.barrier()      # every rank stops: let peers finish their transfers before gloo is torn down
             return
         try:
             if cmd == "prefill":
