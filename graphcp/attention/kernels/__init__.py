@@ -1,4 +1,5 @@
-"""graphcp's own Triton kernels; imported lazily so the engine runs where Triton is absent."""
+"""Attention kernels behind one contract: graphcp's Triton kernels and the flashinfer glue, each imported
+lazily so the engine runs where Triton or flashinfer is absent."""
 from __future__ import annotations
 
 import importlib.util
