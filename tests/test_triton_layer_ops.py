@@ -84,3 +84,30 @@ def test_rope(dtype, d, hq, hk):
 
 def test_lookup():
     assert cuda_kernel("rms_norm") is triton_rms_norm and cuda_kernel("rope") is triton_rope
+
+
+def test_first_use_check_falls_back_to_the_torch_form(monkeypatch, caplog):
+    """A Triton layer op that raises or disagrees on its first call is replaced by the torch form, once,
+    with a warning; one that agrees is kept and not checked again."""
+    from graphcp.models import layers
+    monkeypatch.setattr(layers, "_CUDA_KERNELS", {})
+    monkeypatch.setattr(layers, "_CHECKED", set())
+    x = torch.randn(4, 8)
+    torch_call = lambda: x * 2  # noqa: E731
+
+    def raising(fn):
+        raise RuntimeError("no kernel image\nmore")
+
+    layers._CUDA_KERNELS["rope"] = object()
+    assert torch.equal(layers.fused_or_torch("rope", raising, torch_call), x * 2)
+    assert layers._CUDA_KERNELS["rope"] is None and "failed (RuntimeError: no kernel image)" in caplog.text
+    layers._CUDA_KERNELS["rms_norm"] = object()
+    assert torch.equal(layers.fused_or_torch("rms_norm", lambda fn: (x * 3, x), lambda: (x * 2, x))[0], x * 2)
+    assert layers._CUDA_KERNELS["rms_norm"] is None and "disagrees with the torch form" in caplog.text
+    marker = object()
+    layers._CUDA_KERNELS["rope"] = marker
+    calls = []
+    assert torch.equal(layers.fused_or_torch("rope", lambda fn: calls.append(fn) or x * 2, torch_call), x * 2)
+    assert layers._CUDA_KERNELS["rope"] is marker and "rope" in layers._CHECKED
+    layers.fused_or_torch("rope", lambda fn: calls.append(fn) or x * 2, lambda: pytest.fail("checked twice"))
+    assert calls == [marker, marker]

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from graphcp.models.config import ModelConfig
 
+log = logging.getLogger("graphcp")
 _TRITON_FORMS = {"rms_norm": ("graphcp.models.triton_rmsnorm", "triton_rms_norm"),
                  "rope": ("graphcp.models.triton_rope", "triton_rope")}
 _CUDA_KERNELS: dict[str, Callable | None] = {}
@@ -31,6 +33,38 @@ def cuda_kernel(name: str) -> Callable | None:
     return _CUDA_KERNELS[name]
 
 
+_CHECKED: set[str] = set()
+
+
+def fused_or_torch(name: str, fused_call: Callable[[Callable], Any], torch_call: Callable[[], Any]) -> Any:
+    """Run the Triton form of ``name``. Its first call in a process (an eager warmup, before any capture) is
+    checked against the torch form; if it raises or disagrees, the op uses the torch form from then on and
+    one warning says why, so a kernel that cannot compile or run here never stops the engine."""
+    fn = cuda_kernel(name)
+    if fn is None:
+        return torch_call()
+    if name in _CHECKED or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return fused_call(fn)
+    try:
+        got, ref = fused_call(fn), torch_call()
+        pairs = list(zip(got, ref)) if isinstance(got, tuple) else [(got, ref)]
+        if any(b.numel() == 0 for _, b in pairs):
+            return got                          # nothing to compare yet: check on a later call
+        err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                  for a, b in pairs)
+        dtype = (ref[0] if isinstance(ref, tuple) else ref).dtype
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        reason = None if err <= tol else f"disagrees with the torch form (max rel err {err:.2e})"
+    except Exception as e:  # noqa: BLE001 - any failure means the torch form serves instead
+        reason, ref = f"failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})", None
+    if reason is None:
+        _CHECKED.add(name)
+        return got
+    _CUDA_KERNELS[name] = None
+    log.warning("graphcp: the Triton %s %s; using the torch form", name, reason)
+    return torch_call() if ref is None else ref
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -41,9 +75,11 @@ class RMSNorm(nn.Module):
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the add fused on CUDA."""
         if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
                 residual is None or (x.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype)):
-            fused = cuda_kernel("rms_norm")
-            if fused is not None:
-                return fused(x, self.weight, self.eps, residual)
+            return fused_or_torch("rms_norm", lambda fn: fn(x, self.weight, self.eps, residual),
+                                  lambda: self._torch_form(x, residual))
+        return self._torch_form(x, residual)
+
+    def _torch_form(self, x: torch.Tensor, residual: torch.Tensor | None):  # noqa: ANN202
         if residual is None:
             return rms_norm_torch(x, self.weight, self.eps)
         total = residual + x
@@ -104,10 +140,10 @@ class RotaryEmbedding(nn.Module):
             sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
             cached = self._last = (positions, cos, sin)
         _, cos, sin = cached
-        fused = cuda_kernel("rope") if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 else None
-        if fused is not None:
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
             cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
-            return fused(q, cos2, sin2), fused(k, cos2, sin2)
+            return fused_or_torch("rope", lambda fn: (fn(q, cos2, sin2), fn(k, cos2, sin2)),
+                                  lambda: (rope_torch(q, cos, sin), rope_torch(k, cos, sin)))
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
 
 
