@@ -214,3 +214,23 @@ def test_kernel_fn_capturable_only_on_cuda():
     assert fn is triton_paged_attention and not capturable
     assert kernel_fn("triton", torch.device("cuda"))[1] is True
     assert kernel_fn("torch", torch.device("cuda")) == (torch_paged_attention, False)
+
+
+def test_start_probe(monkeypatch):
+    """The start-up probe passes the real kernel (here in the interpreter); a failing probe on CUDA makes
+    auto fall back to torch and an explicit triton request a ConfigError with the reason."""
+    from graphcp.attention import probe as probe_module
+    from graphcp.attention.op import resolve_kernel
+    from graphcp.attention.probe import probe_kernel
+    from graphcp.errors import ConfigError
+    assert probe_kernel(triton_paged_attention, torch.device("cpu"), torch.float32, 4, 2, 64, 16) is None
+    assert "disagrees" in probe_kernel(lambda *a, **k: a[-1].zero_(), torch.device("cpu"), torch.float32, 4, 2, 64, 4)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(probe_module, "probe_kernel", lambda *a: None)
+    assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) in ("triton", "flashinfer-paged",
+                                                                              "flashinfer-trtllm")
+    monkeypatch.setattr(probe_module, "probe_kernel", lambda *a: "failed its first call (RuntimeError: ptxas)")
+    monkeypatch.setattr("graphcp.attention.kernels.flashinfer_attention.flashinfer_installed", lambda: False)
+    assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) == "torch"
+    with pytest.raises(ConfigError, match="--attention-kernel triton failed its first call .*ptxas"):
+        resolve_kernel("triton", cuda, torch.bfloat16, 64, heads=(4, 2))

@@ -32,7 +32,9 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
     Triton on CUDA, else torch. An explicit request that cannot be served is a ConfigError naming the flag.
     The Triton kernel covers head_dim 64 and 128; other sizes go through the torch kernel.
     ``bottom_right`` is False for interleave, whose per-token causal limits flashinfer does not take.
-    With ``heads`` (query, kv heads on this rank), a flashinfer choice is probed with one small call first."""
+    With ``heads`` (query, kv heads on this rank), a flashinfer or CUDA Triton choice is first probed with one
+    small call checked against the torch kernel: ``auto`` moves on when the probe fails, an explicit choice
+    is a ConfigError carrying the reason."""
     from graphcp.attention.kernels import flashinfer_attention as fi
     from graphcp.attention.kernels import triton_available
 
@@ -51,7 +53,12 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
         if not triton_available(device):
             raise ConfigError("--attention-kernel triton needs the triton package (and on CPU, TRITON_INTERPRET=1 "
                               "is set by graphcp); install graphcp[test] or choose --attention-kernel torch")
-        return "triton" if head_dim in TRITON_HEAD_DIMS else "torch"
+        if head_dim not in TRITON_HEAD_DIMS:
+            return "torch"
+        reason = _triton_reason(device, dtype, head_dim, heads, page_size)
+        if reason is not None:
+            raise ConfigError(f"--attention-kernel triton {reason}; choose --attention-kernel torch")
+        return "triton"
     if requested == "torch" or device.type != "cuda":
         return "torch"
     if fi.flashinfer_installed():
@@ -59,7 +66,22 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
         if reason is None:
             return "flashinfer-" + _flashinfer_variant(device)
         log.info("graphcp: attention kernel auto: not flashinfer, which %s", reason)
-    return "triton" if triton_available(device) and head_dim in TRITON_HEAD_DIMS else "torch"
+    if triton_available(device) and head_dim in TRITON_HEAD_DIMS:
+        reason = _triton_reason(device, dtype, head_dim, heads, page_size)
+        if reason is None:
+            return "triton"
+        log.warning("graphcp: attention kernel auto: the Triton kernel %s; using the torch kernel", reason)
+    return "torch"
+
+
+def _triton_reason(device: torch.device, dtype: torch.dtype, head_dim: int, heads: tuple[int, int] | None,
+                   page_size: int) -> str | None:
+    """The Triton kernel is probed on CUDA (where it compiles on first use); the interpreter needs no probe."""
+    if device.type != "cuda" or heads is None:
+        return None
+    from graphcp.attention.kernels.triton_attention import triton_paged_attention
+    from graphcp.attention.probe import probe_kernel
+    return probe_kernel(triton_paged_attention, device, dtype, *heads, head_dim, page_size)
 
 
 def _flashinfer_variant(device: torch.device) -> str:
