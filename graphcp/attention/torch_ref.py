@@ -8,6 +8,7 @@ GQA: query head h reads kv head h // (Hq/Hkv). Rows past the last sequence are w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -19,6 +20,19 @@ class HostLengths:
     max_kv: int = 0
     early_rows: int = 0     # zigzag: local rows held by early blocks (the flashattention path splits there)
     workspace: dict = field(default_factory=dict)   # per-forward scratch kernels share across layers
+
+
+def per_forward(workspace: dict | None, name: str, inputs: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, cached in the per-forward workspace under the identity of the metadata tensors: every layer
+    of a forward passes the same ones, so kernels derive their arguments once (once per capture, too). The
+    entry keeps its inputs alive, so their ids cannot be reused within the forward."""
+    if workspace is None:
+        return make()
+    key = (name, *(id(t) for t in inputs))
+    entry = workspace.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], inputs)):
+        entry = workspace[key] = (inputs, make())
+    return entry[1]
 
 
 def _group_sequences(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
@@ -71,15 +85,9 @@ def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
-    inputs = (cu_seqlens_q, page_rows, q_limits)
-    key = ("torch", *(id(t) for t in inputs), page_size)
-    cached = workspace.get(key) if workspace is not None else None
-    if cached is None or any(a is not b for a, b in zip(cached[0], inputs)):
-        # The entry keeps its inputs alive, so their ids cannot be reused within the forward.
-        cached = (inputs, _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
-        if workspace is not None:
-            workspace[key] = cached
-    for q_idx, q_valid, rows, slots, mask in cached[1]:
+    layout = per_forward(workspace, f"torch{page_size}", (cu_seqlens_q, page_rows, q_limits),
+                         lambda: _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
+    for q_idx, q_valid, rows, slots, mask in layout:
         o = torch.nn.functional.scaled_dot_product_attention(
             q[q_idx].transpose(1, 2), k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2), attn_mask=mask,
             scale=scale, enable_gqa=True)                                                  # [G, Hq, max_q, D]

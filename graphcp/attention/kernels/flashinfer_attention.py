@@ -19,6 +19,8 @@ import importlib.util
 
 import torch
 
+from graphcp.attention.torch_ref import per_forward
+
 WORKSPACE_BYTES = 256 << 20      # flashinfer recommends >= 128 MiB; trtllm-gen keeps softmax stats for split KV
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -77,7 +79,7 @@ def flashinfer_trtllm_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: t
     """``max_q``/``max_kv`` of 0 mean "unknown on the host" (graph capture): the shape bounds stand in."""
     prefill = importlib.import_module("flashinfer.prefill")
     rows, pages = page_rows.shape
-    block_tables, kv_lens, cu_q, cu_kv = _cached(workspace, "trtllm", (cu_seqlens_q, page_rows, q_limits),
+    block_tables, kv_lens, cu_q, cu_kv = per_forward(workspace, "trtllm", (cu_seqlens_q, page_rows, q_limits),
                                                  lambda: _trtllm_lengths(cu_seqlens_q, page_rows, q_limits))
     out.zero_()                                       # rows past the last sequence stay zero (the contract)
     prefill.trtllm_batch_context_with_kv_cache(
@@ -94,19 +96,6 @@ def _trtllm_lengths(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
     zero = torch.zeros(1, dtype=torch.int32, device=kv_lens.device)
     cu_kv = torch.cat((zero, torch.cumsum(kv_lens, 0, dtype=torch.int32)))
     return page_rows.to(torch.int32), kv_lens, cu_seqlens_q.to(torch.int32), cu_kv
-
-
-def _cached(workspace: dict | None, name: str, inputs: tuple, make):  # noqa: ANN001, ANN202
-    """Per-forward cache keyed by the identity of the metadata tensors: every layer of a forward passes the
-    same ones, so the derived arguments are built once (once per capture, too). The entry keeps its inputs
-    alive, so their ids cannot be reused within the forward."""
-    if workspace is None:
-        return make()
-    key = (name, *(id(t) for t in inputs))
-    entry = workspace.get(key)
-    if entry is None or any(a is not b for a, b in zip(entry[0], inputs)):
-        entry = workspace[key] = (inputs, make())
-    return entry[1]
 
 
 def _paged_plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
@@ -153,7 +142,7 @@ def flashinfer_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                      causal=True, sm_scale=float(scale), q_data_type=q.dtype, kv_data_type=k_pool.dtype)
         return wrapper, int(qo_indptr[-1])
 
-    wrapper, total = _cached(workspace, f"paged{page_size}", (cu_seqlens_q, page_rows, q_limits), plan)
+    wrapper, total = per_forward(workspace, f"paged{page_size}", (cu_seqlens_q, page_rows, q_limits), plan)
     if total:
         wrapper.run(q[:total].contiguous(), _paged_views(k_pool, v_pool, page_size), out=out[:total])
     return out
