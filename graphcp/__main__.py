@@ -1,5 +1,5 @@
 import sys
 
-from graphcp.cli import main
+from graphcp.tools.cli import main
 
 sys.exit(main())

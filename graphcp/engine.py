@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from graphcp.batch import PrefillOutput, Request
 from graphcp.config import EngineArgs
+from graphcp.dist.procs import child_env, free_port, rss_bytes
 from graphcp.errors import ConfigError, EngineDeadError, RequestError
 
 log = logging.getLogger("graphcp")
@@ -95,12 +95,9 @@ class Engine:
         re-imported; each connects back over an authenticated Unix socket (no Nagle delays on replies)."""
         world = self.args.world_size
         authkey = bytes(multiprocessing.current_process().authkey)
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         with Listener(family="AF_UNIX", authkey=authkey) as listener:
-            # The ranks import graphcp from where this process did, installed or not.
-            src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-            env = {**os.environ, "GRAPHCP_AUTHKEY": authkey.hex(), "PYTHONPATH": path}
+            env = child_env(GRAPHCP_AUTHKEY=authkey.hex())
             procs = [subprocess.Popen([sys.executable, "-m", "graphcp.worker", listener.address, str(rank)], env=env)
                      for rank in range(world)]
             conns: dict[int, Any] = {}
@@ -227,14 +224,7 @@ class Engine:
     def rank_memory(self) -> list[int]:
         """Resident memory of each rank process in bytes (this process when the rank runs in-process)."""
         pids = [proc.popen.pid for proc, _ in self._workers] or [os.getpid()]
-        sizes = []
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    sizes.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-            except OSError:
-                sizes.append(0)
-        return sizes
+        return [rss_bytes(pid) for pid in pids]
 
     def close(self, graceful: bool = True) -> None:
         """Stop every rank; none is left behind. Not graceful after a fault: a stuck rank is not waited on.
@@ -315,9 +305,3 @@ def _merge(cmd: str, replies: list[Any]) -> Any:
         stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
         return stats
     return replies[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from graphcp.cli import main
+from graphcp.tools.cli import main
 
 
 def test_bench_json_and_plot(checkpoint, tmp_path, capsys):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from graphcp.cli import main as cli_main
+from graphcp.tools.cli import main as cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -59,7 +59,7 @@ def test_same_batch_twice_is_bitwise_identical(checkpoint, engines, force_eager)
 
 
 def test_short_soak(checkpoint):
-    from graphcp.soak import soak
+    from graphcp.tools.soak import soak
     report = soak(EngineArgs(model_path=checkpoint, max_total_tokens=4096, cuda_graph_buckets=[16, 32, 64, 128],
                              **cp_kwargs(2)), batches=60, sample_every=10, seed=3)
     assert report["leaked_tokens"] == 0 and report["recaptured"] is False

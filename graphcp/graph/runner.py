@@ -6,7 +6,6 @@ and replay the same graph; collectives inside breaks stay matched.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import torch
 from graphcp.cp.strategy import ContextParallelStrategy
 from graphcp.graph.buffers import Descriptors
 from graphcp.graph.capture import BreakableGraph, CpuCapture, CudaCapture, GraphCaptureError, check_same_ops
+from graphcp.dist.procs import rss_bytes
 from graphcp.profiling import gpu_memory_used, nvtx_range
 
 if TYPE_CHECKING:
@@ -200,11 +200,7 @@ def _memory(device: torch.device) -> int:
     if device.type == "cuda":
         used = gpu_memory_used(device.index or 0)
         return used if used is not None else torch.cuda.memory_reserved(device)
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    return rss_bytes()
 
 
 def _fmt_bytes(n: int) -> str:

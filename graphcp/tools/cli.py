@@ -28,8 +28,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "graphcp.demo", "bench": "graphcp.bench", "profile": "graphcp.profile_cmd",
-                "soak": "graphcp.soak"}
+    commands = {"demo": "graphcp.tools.demo", "bench": "graphcp.tools.bench", "profile": "graphcp.tools.profile",
+                "soak": "graphcp.tools.soak"}
     if not argv or argv[0] not in commands:
         print("usage: graphcp {demo,bench,profile,soak} [engine flags]   (graphcp CMD --help for details)")
         return 2

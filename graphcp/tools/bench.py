@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from graphcp.cli import engine_args, engine_parser
+from graphcp.tools.cli import engine_args, engine_parser
 
 DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from graphcp.cli import engine_args, engine_parser
+from graphcp.tools.cli import engine_args, engine_parser
 
 
 def serving_batches(vocab: int, n_batches: int, seed: int = 0) -> list[list[tuple[str, list[int]]]]:

@@ -18,14 +18,14 @@ import glob
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 
 import torch
 
-from graphcp.cli import engine_args, engine_parser
+from graphcp.dist.procs import child_env, free_port
+from graphcp.tools.cli import engine_args, engine_parser
 
 TOP_OPS = 25
 # Range kinds drawn in the timeline, top to bottom within a rank's lane: (label, name prefixes).
@@ -146,18 +146,15 @@ def _profile(args, ns: argparse.Namespace, rank: int) -> None:  # noqa: ANN001
 
 def _spawn_ranks(args, ns: argparse.Namespace, argv: list[str]) -> int:  # noqa: ANN001
     world = args.world_size
-    port = _free_port()
+    port = free_port()
     child_argv = list(argv) + ["--model-path", args.model_path, "--out", ns.out]
     if ns.max_total_tokens is None:
         child_argv += ["--max-total-tokens", str(args.max_total_tokens)]
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # ranks import this graphcp
-    pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
     procs = []
     for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": pythonpath, "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "graphcp.profile_cmd", *child_argv,
+        env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "graphcp.tools.profile", *child_argv,
                                        "--spmd-rank", str(rank)], env=env))
     deadline = time.monotonic() + max(900.0, 10 * args.rank_timeout_s)
     failed = None
@@ -187,12 +184,6 @@ def _spawn_ranks(args, ns: argparse.Namespace, argv: list[str]) -> int:  # noqa:
         print(f"graphcp profile: {failed}", file=sys.stderr)
         return 1
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- merge ----------------------------------------------------------------------------------------

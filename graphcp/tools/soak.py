@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from graphcp.batch import Request
-from graphcp.cli import engine_args, engine_parser
+from graphcp.tools.cli import engine_args, engine_parser
 from graphcp.config import EngineArgs
 
 

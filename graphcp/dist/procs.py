@@ -1,0 +1,30 @@
+"""Process helpers shared by the engine and the tools: ports, the environment of a spawned rank, memory."""
+from __future__ import annotations
+
+import os
+import socket
+
+import graphcp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment plus ``extra``, with PYTHONPATH set so a child imports this graphcp, installed or not."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(graphcp.__file__)))
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process (this one by default) from /proc; 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -1,0 +1,1 @@
+"""Command-line tools around the engine: demo, bench, profile, soak (``graphcp CMD``)."""
