@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from graphcp.errors import RequestError
@@ -13,7 +14,7 @@ from graphcp.errors import RequestError
 class Request:
     """``input_ids`` are the new tokens; a rid that still holds cached KV is extended by them."""
     rid: str
-    input_ids: Sequence[int]
+    input_ids: Sequence[int]           # a list or tuple of ints, a 1-D integer tensor or numpy array
 
 
 @dataclass
@@ -26,8 +27,40 @@ class PrefillOutput:
     cp_applied: bool                       # False when the batch ran without token sharding
     per_rank_tokens: list[int] = field(default_factory=list)
     host_ops: int | None = None            # ops launched outside captured segments (when counted)
-    request_indices: list[int] | None = None   # internal: the batch positions one DP group answered for
-    dp_group: int = 0
+
+
+@dataclass
+class RankReply:
+    """One rank's answer to a prefill, merged by the engine into the caller's PrefillOutput."""
+    output: PrefillOutput
+    request_indices: list[int]             # the batch positions this rank's DP group answered for
+    dp_group: int
+
+
+def _token_tensor(rid: str, ids: object) -> torch.Tensor:
+    """A request's ids as a 1-D int64 CPU tensor. Tensors and numpy arrays are taken as they are (no
+    Python round trip); lists and tuples go through numpy. Anything but flat integers is refused:
+    casting would truncate 1.5 to 1 silently."""
+    if isinstance(ids, torch.Tensor):
+        tokens, dtype = ids, ids.dtype
+        integral = not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+    else:
+        try:
+            arr = np.asarray(ids)
+        except (TypeError, ValueError) as e:     # ragged nesting
+            raise RequestError(f"request {rid!r}: input_ids must be a flat list of ints ({e})") from e
+        integral = arr.dtype.kind in "iu"
+        tokens = torch.from_numpy(arr.astype(np.int64, copy=False)) if integral else torch.empty(arr.shape)
+        numeric = arr.dtype.kind in "biufc"
+        dtype = torch.from_numpy(np.zeros(1, dtype=arr.dtype)).dtype if numeric else arr.dtype
+    if tokens.numel() == 0:
+        raise RequestError(f"request {rid!r}: input_ids is empty; send at least one new token")
+    if not integral or tokens.ndim != 1:
+        raise RequestError(f"request {rid!r}: input_ids must be a flat list of ints, got {dtype} "
+                           f"with shape {list(tokens.shape)}")
+    if tokens.dtype != torch.long or tokens.device.type != "cpu" or tokens.requires_grad:
+        tokens = tokens.detach().to("cpu", torch.long)
+    return tokens
 
 
 def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[list[str], list[torch.Tensor]]:
@@ -44,19 +77,8 @@ def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[lis
         if rid in seen:
             raise RequestError(f"request {rid!r} appears twice in one batch")
         seen.add(rid)
-        try:
-            tokens = torch.as_tensor(list(req.input_ids))
-        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-            raise RequestError(f"request {rid!r}: input_ids must be a list of ints ({e})") from e
-        if tokens.numel() == 0:
-            raise RequestError(f"request {rid!r}: input_ids is empty; send at least one new token")
-        if tokens.ndim != 1 or tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-            # as_tensor(..., dtype=long) would truncate 1.5 to 1 silently: refuse anything but integer ids
-            raise RequestError(f"request {rid!r}: input_ids must be a flat list of ints, got {tokens.dtype} "
-                               f"with shape {list(tokens.shape)}")
-        tokens = tokens.to(torch.long)
         rids.append(rid)
-        ids.append(tokens)
+        ids.append(_token_tensor(rid, req.input_ids))
     # One range check for the whole batch; the per-request search runs only when it fails.
     every = torch.cat(ids)
     if int(every.min()) < 0 or int(every.max()) >= vocab_size:

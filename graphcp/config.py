@@ -36,7 +36,7 @@ class EngineArgs:
     capture_plan: str | None = None
     max_batch_requests: int = 8
     rank_timeout_s: float = 60.0
-    ffn_tp_size: int | None = None   # None = the TP world (SPEC); or tp / (dp x attn-cp-size) to keep the FFN
+    ffn_tp_size: int | None = None   # None = the TP world; or tp / (dp x attn-cp-size) to keep the FFN
                                      # with attention TP: no layer communicator, FFN weights replicated per CP rank
 
     def __post_init__(self) -> None:
@@ -158,6 +158,16 @@ class EngineArgs:
         parser = _RaisingParser(prog="graphcp")
         cls.add_cli_args(parser)
         return cls.from_namespace(parser.parse_args(list(argv)))
+
+
+def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelConfig
+    """The flags that depend on the model, checked before any allocation."""
+    atp = args.attn_tp_size
+    if cfg.num_key_value_heads % atp:
+        raise ConfigError(f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size)) must divide "
+                          f"num_key_value_heads={cfg.num_key_value_heads}")
+    if args.pp_size > cfg.num_hidden_layers:
+        raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
 
 
 class _RaisingParser(argparse.ArgumentParser):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from graphcp.batch import PrefillOutput, Request
+from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
 from graphcp.dist.procs import child_env, free_port, rss_bytes
 from graphcp.errors import ConfigError, EngineDeadError, RequestError
@@ -172,26 +173,10 @@ class Engine:
             raise EngineDeadError("graphcp engine is closed")
         for _, conn in self._workers:
             conn.send((cmd, payload))
-        return _merge(cmd, self._collect(timeout or self.args.rank_timeout_s))
+        return merge(cmd, self._collect(timeout or self.args.rank_timeout_s))
 
     def _local(self, cmd: str, payload: Any) -> Any:
-        runner = self._runner
-        if cmd == "prefill":
-            requests, count_ops, force_eager = payload
-            out = runner.prefill(requests, count_host_ops=count_ops, force_eager=force_eager)
-            out = out if runner.me.is_output and runner.last_stage else None
-            return _merge(cmd, self._everyone(out))
-        if cmd == "kv_cache":
-            return _merge(cmd, self._everyone(runner.kv_cache(payload)))
-        if cmd == "release":
-            return runner.release(payload)
-        if cmd == "stats":
-            return _merge(cmd, self._everyone(runner.stats()))
-        if cmd == "counters":
-            comm = runner.comm
-            return {"all_gathers": comm.num_all_gathers if comm else 0,
-                    "all_reduces": comm.num_all_reduces if comm else 0}
-        raise ValueError(cmd)
+        return merge(cmd, self._everyone(execute(self._runner, cmd, payload)))
 
     def _everyone(self, item: Any) -> list[Any]:
         """Under torchrun, every rank's item (so every rank returns the same merged answer)."""
@@ -269,39 +254,3 @@ class Engine:
         if getattr(self, "_workers", None) and hasattr(self, "_lock"):
             self.close()
 
-
-def _merge(cmd: str, replies: list[Any]) -> Any:
-    """One answer from the ranks' replies: outputs of every DP group in request order, KV parts of every
-    pipeline stage and attention-TP rank, rank 0's stats with each rank's weight bytes."""
-    if cmd == "prefill":
-        outs = sorted((r for r in replies if r is not None), key=lambda o: o.dp_group)
-        for o in outs:
-            if not isinstance(o.logits, torch.Tensor):
-                o.logits = torch.from_numpy(o.logits)
-        if len(outs) == 1:
-            return outs[0]
-        order = [i for o in outs for i in o.request_indices]
-        logits = torch.cat([o.logits for o in outs])[torch.argsort(torch.tensor(order))]
-        reasons = [o.eager_reason for o in outs if o.eager_reason]
-        return PrefillOutput(logits=logits, next_token_ids=logits.argmax(-1).tolist(),
-                             mode="graph" if all(o.mode == "graph" for o in outs) else "eager",
-                             graph_bucket=outs[0].graph_bucket, eager_reason=reasons[0] if reasons else None,
-                             cp_applied=all(o.cp_applied for o in outs if o.request_indices),
-                             per_rank_tokens=[n for o in outs for n in o.per_rank_tokens])
-    if cmd == "kv_cache":
-        parts = [p for p in replies if p is not None and p["cp_rank"] == 0]
-        by_layer: dict[int, list[tuple[int, tuple]]] = {}
-        for part in parts:
-            for i, kv in enumerate(part["layers"]):
-                by_layer.setdefault(part["first_layer"] + i, []).append((part["attn_tp_rank"], kv))
-        out = []
-        for layer in sorted(by_layer):
-            shards = [kv for _, kv in sorted(by_layer[layer], key=lambda x: x[0])]
-            out.append((torch.cat([k for k, _ in shards]), torch.cat([v for _, v in shards])))
-        return out
-    if cmd == "stats":
-        stats = dict(replies[0])
-        stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]
-        stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
-        return stats
-    return replies[0]

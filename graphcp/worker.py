@@ -1,7 +1,6 @@
 """One rank's process: join the group, build the ModelRunner, then serve commands from the engine."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -13,19 +12,24 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from graphcp.commands import execute
 from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError, RequestError
 
 
 def rank_device(args: EngineArgs, rank: int) -> torch.device:
+    """This host's GPUs in turn by local rank (torchrun's LOCAL_RANK on multi-node runs; the global rank
+    when the engine spawned every rank on this host)."""
     if args.resolved_device() == "cuda":
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
 def process_group_backend(args: EngineArgs) -> str:
-    """NCCL when every rank has its own GPU; gloo on CPU or when ranks share one GPU."""
-    if args.resolved_device() == "cuda" and torch.cuda.device_count() >= args.world_size:
+    """NCCL when every rank of this host has its own GPU; gloo on CPU or when ranks share one GPU."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    if args.resolved_device() == "cuda" and torch.cuda.device_count() >= local_world:
         return "nccl"
     return "gloo"
 
@@ -72,26 +76,7 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
                 dist.barrier()      # every rank stops: let peers finish their transfers before gloo is torn down
             return
         try:
-            if cmd == "prefill":
-                requests, count_ops, force_eager = payload
-                out = runner.prefill(requests, count_host_ops=count_ops, force_eager=force_eager)
-                # Plain bytes, not torch's shared-memory tensor passing: cheaper for a few logit rows.
-                answers = runner.me.is_output and runner.last_stage
-                result = dataclasses.replace(out, logits=out.logits.numpy()) if answers else None
-            elif cmd == "kv_cache":
-                result = runner.kv_cache(payload)
-            elif cmd == "release":
-                runner.release(payload)
-                result = None
-            elif cmd == "stats":
-                result = runner.stats()
-            elif cmd == "counters":
-                comm = runner.comm
-                result = {"all_gathers": comm.num_all_gathers if comm else 0,
-                          "all_reduces": comm.num_all_reduces if comm else 0}
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", result))
+            conn.send(("ok", execute(runner, cmd, payload, over_ipc=True)))
         except RequestError as e:
             conn.send(("request_error", str(e)))
         except Exception as e:  # noqa: BLE001

@@ -10,7 +10,7 @@ import torch
 
 import flashinfer_semantics
 from graphcp.attention.kernels import flashinfer_attention as fi
-from graphcp.attention.op import kernel_fn, resolve_kernel
+from graphcp.attention.registry import kernel_fn, resolve_kernel
 from graphcp.attention.torch_ref import torch_paged_attention
 from graphcp.cp.metadata import zigzag_metadata
 from graphcp.errors import ConfigError

@@ -9,8 +9,10 @@ import torch
 
 from conftest import cp_kwargs
 from graphcp import Request
-from graphcp.graph.capture import CpuCapture, GraphCaptureError, check_same_ops, graph_break
-from graphcp.graph.runner import config_ineligibility, select_bucket
+from graphcp.graph.cpu import CpuCapture
+from graphcp.graph.protocol import GraphCaptureError, check_same_ops, graph_break
+from graphcp.graph.runner import select_bucket
+from graphcp.planner import config_ineligibility
 from parity import Session, graph_and_eager, random_ids
 
 VOCAB = 211

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from graphcp.attention.kernels.triton_attention import triton_paged_attention  # noqa: E402
 from graphcp.attention.kernels.triton_kv_write import triton_kv_write  # noqa: E402
-from graphcp.attention.op import kernel_fn  # noqa: E402
+from graphcp.attention.registry import kernel_fn  # noqa: E402
 from graphcp.attention.torch_ref import torch_paged_attention  # noqa: E402
 from graphcp.cp.metadata import interleave_metadata, zigzag_metadata  # noqa: E402
 
@@ -220,7 +220,7 @@ def test_start_probe(monkeypatch):
     """The start-up probe passes the real kernel (here in the interpreter); a failing probe on CUDA makes
     auto fall back to torch and an explicit triton request a ConfigError with the reason."""
     from graphcp.attention import probe as probe_module
-    from graphcp.attention.op import resolve_kernel
+    from graphcp.attention.registry import resolve_kernel
     from graphcp.attention.probe import probe_kernel
     from graphcp.errors import ConfigError
     assert probe_kernel(triton_paged_attention, torch.device("cpu"), torch.float32, 4, 2, 64, 16) is None

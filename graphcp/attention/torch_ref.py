@@ -7,19 +7,13 @@ GQA: query head h reads kv head h // (Hq/Hkv). Rows past the last sequence are w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-
-@dataclass
-class HostLengths:
-    """Host-side maxima of the live batch, refreshed before every forward or replay (break arguments)."""
-    max_q: int = 0
-    max_kv: int = 0
-    early_rows: int = 0     # zigzag: local rows held by early blocks (the flashattention path splits there)
-    workspace: dict = field(default_factory=dict)   # per-forward scratch kernels share across layers
+_MASK_ELEMENTS = 1 << 24          # masks up to this size are made once per forward and kept for every layer
+_SCORE_BYTES = 512 << 20          # at most this much fp32 attention scores per SDPA call (the masked path
+                                  # materialises them): a fallback on CUDA at 8k-token buckets stays bounded
 
 
 def per_forward(workspace: dict | None, name: str, inputs: tuple, make: Callable[[], Any]) -> Any:
@@ -73,24 +67,42 @@ def _sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limi
         slots = page_rows[seqs][:, torch.div(key_pos, page_size, rounding_mode="floor")] * page_size + \
             torch.remainder(key_pos, page_size)                                            # [G, max_kv]
         limits = torch.where(q_valid, q_limits[q_idx], torch.ones_like(q_idx))
-        mask = (key_pos[None, None, :] < limits[:, :, None])[:, None]                     # [G, 1, max_q, max_kv]
-        layout.append((q_idx, q_valid, q_idx[q_valid], slots, mask))
+        # The mask is kept for every layer when small; a long prompt's is made chunk by chunk.
+        small = q_idx.numel() * max_kv <= _MASK_ELEMENTS
+        mask = _mask(key_pos, limits) if small else None                                # [G, 1, max_q, max_kv]
+        layout.append((q_idx, q_valid, q_idx[q_valid], slots, mask, limits, key_pos))
     return layout
+
+
+def _mask(key_pos: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    return (key_pos[None, None, :] < limits[:, :, None])[:, None]
 
 
 def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
                           max_q: int, max_kv: int, out: torch.Tensor, *, workspace: dict | None = None) -> torch.Tensor:
-    """At most two padded SDPA calls; ``max_q``/``max_kv`` only tell an empty batch apart."""
+    """At most two padded SDPA calls (more for long prompts: queries in chunks, so the masked path never
+    materialises more than ``_SCORE_BYTES`` of scores); ``max_q``/``max_kv`` only tell an empty batch apart."""
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
     layout = per_forward(workspace, f"torch{page_size}", (cu_seqlens_q, page_rows, q_limits),
                          lambda: _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
-    for q_idx, q_valid, rows, slots, mask in layout:
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[q_idx].transpose(1, 2), k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2), attn_mask=mask,
-            scale=scale, enable_gqa=True)                                                  # [G, Hq, max_q, D]
-        o = o.transpose(1, 2)[q_valid]
-        out[rows] = o if o.dtype == out.dtype else o.to(out.dtype)
+    for q_idx, q_valid, rows, slots, mask, limits, key_pos in layout:
+        k, v = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)
+        if mask is not None:
+            _sdpa(q, k, v, q_idx, q_valid, rows, mask, scale, out)
+            continue
+        step = max(1, _SCORE_BYTES // (4 * q_idx.shape[0] * q.shape[1] * slots.shape[1]))
+        for c in range(0, q_idx.shape[1], step):
+            qi, qv = q_idx[:, c:c + step], q_valid[:, c:c + step]
+            _sdpa(q, k, v, qi, qv, qi[qv], _mask(key_pos, limits[:, c:c + step]), scale, out)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor,
+          rows: torch.Tensor, mask: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q[q_idx].transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)   # [G, Hq, max_q, D]
+    o = o.transpose(1, 2)[q_valid]
+    out[rows] = o if o.dtype == out.dtype else o.to(out.dtype)

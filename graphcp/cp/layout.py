@@ -1,4 +1,4 @@
-"""build_layout: the pure, host-side view of a CP layout (SPEC section 3), for users and tests.
+"""build_layout: the pure, host-side view of a CP layout, for users and tests.
 
 It runs the same tensor code as the engine's forward, so the layout users read is the layout that runs.
 """

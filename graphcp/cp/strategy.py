@@ -1,11 +1,14 @@
-"""Context-parallel strategies: the token-layout policy, kept apart from models and kernels."""
+"""Context-parallel strategies: the token-layout policy and all of its geometry, kept apart from models,
+kernels and graphs. Nothing outside ``cp/`` needs to know what zigzag or interleave is."""
 from __future__ import annotations
 
+import random
 from typing import Callable
 
 import torch
 
 from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
+from graphcp.forward_batch import HostMaxima
 
 
 class ContextParallelStrategy:
@@ -13,6 +16,8 @@ class ContextParallelStrategy:
 
     name = ""
     build: Callable[..., CPMetadata]
+    splits_early_late = False        # the flashattention path makes one call per half (zigzag)
+    graph_reason: str | None = None  # why graphs cannot serve this layout (None: they can)
 
     def __init__(self, cp_size: int) -> None:
         self.cp_size = cp_size
@@ -22,46 +27,107 @@ class ContextParallelStrategy:
         """Communication buffers are padded to a multiple of this."""
         raise NotImplementedError
 
+    @property
+    def min_request_len(self) -> int:
+        """Fewest new tokens a request may have for the layout to shard the batch."""
+        return 1
+
     def applies(self, extend_lens: list[int]) -> bool:
-        return True
+        return all(n >= self.min_request_len for n in extend_lens)
+
+    def unsharded_reason(self) -> str:
+        return f"{self.name} needs every request to have >= {self.min_request_len} new tokens"
 
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:
         raise NotImplementedError
 
+    def aligned(self, tokens: int) -> int:
+        return -(-tokens // self.align) * self.align
+
     def local_capacity(self, extend_lens: list[int]) -> int:
         """Rows of the padded per-rank buffers: the largest rank's count, aligned."""
-        need = max(self.per_rank_tokens(extend_lens))
-        return -(-need // self.align) * self.align
+        return self.aligned(max(self.per_rank_tokens(extend_lens)))
 
-    def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor, rank: int,
-                 local_cap: int, page_size: int) -> CPMetadata:
-        return type(self).build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap, page_size)
+    def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
+        """The live batch's host-side maxima that kernels run in a graph break need (``rank`` is the CP
+        rank; a batch that runs unsharded uses this one-rank strategy, where every rank is rank 0)."""
+        return HostMaxima(max_q=max((-(-n // self.cp_size) for n in extend_lens), default=0),
+                          max_kv=max((p + n for p, n in zip(prefix_lens, extend_lens)), default=0))
+
+    def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                 rank: int, local_cap: int, page_size: int) -> CPMetadata:
+        return type(self).build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap,
+                                page_size)
+
+    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
+        """Make every request's last-token row valid where logits are read (rank 0 by default)."""
+        return rows
+
+    def dummy_batch(self, bucket: int, req_cap: int, max_context: int,
+                    seed: int) -> tuple[list[int], list[int]] | None:
+        """(new lengths, prefix lengths) of a random batch whose padded per-rank count fits ``bucket``
+        and fills more than half of it; None when no batch of <= ``req_cap`` requests within
+        ``max_context`` tokens does."""
+        rng = random.Random(seed)
+        cp, min_len, ctx = self.cp_size, self.min_request_len, max_context
+        n_min = max(1, -(-(bucket * cp // 2) // ctx))
+        if n_min > req_cap:
+            return None
+        n_req = rng.randint(n_min, max(n_min, min(req_cap, bucket * cp // (2 * min_len))))
+        hi = min(max(n_req * min_len, bucket * cp), n_req * ctx)
+        for _ in range(1000):
+            target = rng.randint(min(hi, max(n_req * min_len, bucket * cp // 2)), hi)
+            extra = target - n_req * min_len
+            cuts = sorted(rng.randint(0, extra) for _ in range(n_req - 1))
+            ext = [min_len + b - a for a, b in zip([0] + cuts, cuts + [extra])]
+            if max(ext) <= ctx and self.local_capacity(ext) <= bucket:
+                prefix = [rng.randint(0, min(64, ctx - e)) for e in ext]
+                return ext, prefix
+            hi = max(n_req * min_len, target - 1)
+        return None
 
 
 class ZigzagStrategy(ContextParallelStrategy):
+    """Each request split in 2C blocks; rank r owns blocks r and 2C-1-r (see ``zigzag_metadata``)."""
+
     name = "zigzag"
     build = staticmethod(zigzag_metadata)
+    splits_early_late = True
 
     @property
     def align(self) -> int:
         return 2 * self.cp_size
 
-    def applies(self, extend_lens: list[int]) -> bool:
-        return self.cp_size == 1 or all(n >= 2 * self.cp_size for n in extend_lens)
+    @property
+    def min_request_len(self) -> int:
+        return 2 * self.cp_size if self.cp_size > 1 else 1
 
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:
+        """Rank r holds 2 * (n // 2C) tokens of each request, plus one more for each of its blocks
+        (r and 2C-1-r) that the remainder n % 2C reaches: counted once per remainder, not per request."""
         c2 = 2 * self.cp_size
-        counts = [0] * self.cp_size
+        base = 2 * sum(n // c2 for n in extend_lens)
+        reach = [0] * (c2 + 1)             # reach[b]: requests whose remainder covers block b
         for n in extend_lens:
-            base, rem = divmod(n, c2)
-            for r in range(self.cp_size):
-                counts[r] += 2 * base + (r < rem) + (c2 - 1 - r < rem)
-        return counts
+            reach[n % c2] += 1
+        for b in range(c2 - 1, -1, -1):
+            reach[b] += reach[b + 1]
+        return [base + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
+
+    def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
+        c2, rank = 2 * self.cp_size, rank % self.cp_size     # an unsharded batch runs as rank 0 of 1
+        host = super().host_maxima(extend_lens, prefix_lens, rank)
+        host.max_q = max((-(-n // c2) for n in extend_lens), default=0)
+        host.early_rows = sum(n // c2 + (rank < n % c2) for n in extend_lens)
+        return host
 
 
 class InterleaveStrategy(ContextParallelStrategy):
+    """Flat new-token index t goes to rank t % C, across request boundaries."""
+
     name = "interleave"
     build = staticmethod(interleave_metadata)
+    graph_reason = "--cp-strategy interleave runs eagerly (graphs need zigzag)"
 
     @property
     def align(self) -> int:
@@ -70,6 +136,14 @@ class InterleaveStrategy(ContextParallelStrategy):
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:
         base, extra = divmod(sum(extend_lens), self.cp_size)
         return [base + (r < extra) for r in range(self.cp_size)]
+
+    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
+        """The last tokens are spread over ranks: zero the rows this rank does not own and sum."""
+        if self.cp_size == 1:
+            return rows
+        rows = rows * meta.logit_owner[:, None].to(rows.dtype)
+        comm.all_reduce(rows)
+        return rows
 
 
 def make_strategy(name: str, cp_size: int) -> ContextParallelStrategy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from graphcp.graph.capture import graph_break
+from graphcp.graph.protocol import graph_break
 from graphcp.profiling import nvtx_range
 
 # torch 2.13 renamed the tensor forms (same semantics); older torch has only the old names.
@@ -45,9 +45,9 @@ def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return t
 
 
-_all_gather_break = graph_break(_all_gather_into)
-_reduce_scatter_break = graph_break(_reduce_scatter_into)
-_all_reduce_break = graph_break(_all_reduce)
+_all_gather_break = graph_break(_all_gather_into, collective=True)
+_reduce_scatter_break = graph_break(_reduce_scatter_into, collective=True)
+_all_reduce_break = graph_break(_all_reduce, collective=True)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -111,8 +111,8 @@ def _rows_reduce(comm: CPComm, t: torch.Tensor) -> torch.Tensor:
         return _all_reduce(t, comm.group)
 
 
-_kv_gather_break = graph_break(_kv_gather)
-_rows_reduce_break = graph_break(_rows_reduce)
+_kv_gather_break = graph_break(_kv_gather, collective=True)
+_rows_reduce_break = graph_break(_rows_reduce, collective=True)
 
 
 class FFNCommunicator:

@@ -6,7 +6,9 @@ zigzag page table, KV slots, restore indices, positions) is computed from them i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -28,12 +30,18 @@ class Descriptors:
 
     def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
              ids: list[torch.Tensor]) -> None:
-        """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests)."""
-        self.packed.zero_()
+        """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
+        No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
+        packed = self.packed.numpy()
+        packed[:] = 0
         n = len(extend_lens)
-        self.extend_lens[:n] = torch.tensor(extend_lens)
-        self.prefix_lens[:n] = torch.tensor(prefix_lens)
-        for i, row in enumerate(page_rows):
-            self.page_table[i, :len(row)] = torch.tensor(row)
+        cap = self.extend_lens.shape[0]
+        packed[:n] = extend_lens
+        packed[cap:cap + n] = prefix_lens
+        widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=len(page_rows))
+        if widths.sum():
+            table = self.page_table.numpy()
+            used = np.arange(table.shape[1])[None, :] < widths[:, None]
+            table[:len(page_rows)][used] = np.fromiter(chain.from_iterable(page_rows), dtype=np.int64)
         flat = torch.cat(ids)
         self.input_ids[:flat.numel()] = flat

@@ -1,26 +1,25 @@
-"""Graph runner: eligibility, bucket selection, capture of every bucket, and replay.
+"""Graph runner: bucket selection, capture of every bucket, and replay.
 
-All ranks of a CP group see the same batch, so they compute the same per-rank counts, pick the same bucket
-and replay the same graph; collectives inside breaks stay matched.
+It knows nothing of layouts or models. A ``GraphTarget`` (the model runner) loads a batch that fills a
+bucket into its static inputs (``prepare_for_capture``), copies a live batch in (``prepare_for_replay``)
+and runs the forward; batches carry a ``host`` object that a replay hands to the breaks in place of the
+capture batch's. All ranks of a CP group see the same batch, so they pick the same bucket and replay the
+same graph; collectives inside breaks stay matched.
 """
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from graphcp.cp.strategy import ContextParallelStrategy
-from graphcp.graph.buffers import Descriptors
-from graphcp.graph.capture import BreakableGraph, CpuCapture, CudaCapture, GraphCaptureError, check_same_ops
 from graphcp.dist.procs import rss_bytes
+from graphcp.graph.cpu import CpuCapture
+from graphcp.graph.cuda import CudaCapture, SyncCheckedWarmup
+from graphcp.graph.protocol import BreakableGraph, BreakLog, GraphCaptureError, check_same_ops
 from graphcp.profiling import gpu_memory_used, nvtx_range
-
-if TYPE_CHECKING:
-    from graphcp.config import EngineArgs
 
 log = logging.getLogger("graphcp")
 
@@ -28,21 +27,21 @@ DEFAULT_BUCKETS = {"cpu": (8, 16, 32, 64, 128, 256, 512),
                    "cuda": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
 
 
-def config_ineligibility(args: "EngineArgs", backend: str) -> str | None:
-    """The one eligibility predicate for configurations (SPEC section 5); None means graphs are used."""
-    if args.disable_cuda_graph:
-        return "graphs disabled by --disable-cuda-graph"
-    if args.pp_size > 1:
-        return "pp_size > 1"
-    if args.dp_size > 1:
-        return "dp_size > 1"
-    if args.attn_cp_size != args.tp_size:
-        return "attn_cp_size != tp_size"
-    if args.cp_size > 1 and args.cp_strategy != "zigzag":
-        return f"--cp-strategy {args.cp_strategy} runs eagerly (graphs need zigzag)"
-    if backend != "trtllm_mha":
-        return f"--attention-backend {backend} runs eagerly (graphs need trtllm_mha)"
-    return None
+class GraphTarget(Protocol):
+    def prepare_for_capture(self, bucket: int, seed: int) -> Any:
+        """Load a batch that fills ``bucket`` into the static inputs; return it."""
+
+    def prepare_for_replay(self, batch: Any) -> None:
+        """Copy a live batch into the static inputs (one host-to-device copy)."""
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The forward a graph captures: logits [rows, vocab]."""
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Buffers the graphs read at fixed addresses."""
+
+    def has_collective_breaks(self) -> bool:
+        """Whether the forward meets peers inside breaks (then a failed capture must still meet them)."""
 
 
 def select_bucket(buckets: list[int], real_max: int, needed: int,
@@ -69,23 +68,18 @@ class BucketRecord:
 
 
 class GraphRunner:
-    """Captures ``forward(descriptors, local_cap) -> logits`` per bucket and replays it from static buffers."""
+    """Captures ``target.forward`` per bucket and replays it; logits land in one static buffer."""
 
-    def __init__(self, forward: Callable[[Descriptors, int], torch.Tensor], set_host: Callable[[list, list], None],
-                 strategy: ContextParallelStrategy, device: torch.device, req_cap: int, pages_cap: int,
-                 vocab_size: int, max_bucket: int, max_context: int, agree: Callable[[bool], bool]) -> None:
-        self.forward, self.set_host, self.strategy, self.device = forward, set_host, strategy, device
-        self.req_cap, self.pages_cap, self.max_context = req_cap, pages_cap, max_context
-        ids_cap = strategy.cp_size * max_bucket
-        self.static = Descriptors.allocate(req_cap, pages_cap, ids_cap, device)
-        self.staging = Descriptors.allocate(req_cap, pages_cap, ids_cap, "cpu", pin=device.type == "cuda")
-        self.logits = torch.zeros(req_cap, vocab_size, dtype=torch.float32, device=device)
-        self.vocab_size = vocab_size
+    def __init__(self, target: GraphTarget, device: torch.device, logits: torch.Tensor,
+                 agree: Callable[[bool], bool]) -> None:
+        self.target, self.device, self.logits = target, device, logits
+        self.agree = agree                # all-rank AND of a flag, so every rank keeps the same buckets
         self.graphs: dict[int, BreakableGraph] = {}
+        self.capture_batches: dict[int, Any] = {}
         self.records: dict[int, BucketRecord] = {}
         self.captures = 0                 # capture attempts so far: stays constant while serving
-        self.agree = agree            # all-rank AND of a flag, so every rank keeps the same buckets
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # one for every bucket
 
     @property
     def buckets(self) -> list[int]:
@@ -123,9 +117,12 @@ class GraphRunner:
         except RuntimeError as e:
             if self.device.type != "cuda":
                 raise
-            # e.g. an op that is not permitted while a CUDA stream captures: serve this bucket eagerly
+            # e.g. an op that is not permitted while a CUDA stream captures: serve this bucket eagerly.
+            # The pool may still be marked as recording (torch builds where capture_end can throw
+            # first): later buckets capture into a fresh one.
             error, graph = f"CUDA graph capture failed: {str(e).splitlines()[0][:300]}", None
             torch.cuda.synchronize()
+            self.pool = torch.cuda.graph_pool_handle()
         if not self.agree(error is None):
             error = error or "another rank failed to capture this bucket"
         rec = BucketRecord(bucket, time.perf_counter() - t0, max(0, _memory(self.device) - m0), error)
@@ -137,63 +134,48 @@ class GraphRunner:
         return rec
 
     def _capture(self, bucket: int) -> BreakableGraph:
-        def run() -> None:
-            self.logits.copy_(self.forward(self.static, bucket))
+        """CUDA: an eager warmup (lazy inits, autotuning, host syncs refused), then one capture. CPU: two
+        recorded passes with different batches, whose op sequences must agree. A rank whose capture fails
+        partway still issues the collectives its peers meet (logged by the eager warmup)."""
+        target, cuda = self.target, self.device.type == "cuda"
 
-        self._load_dummy(bucket, seed=bucket)
-        if self.device.type == "cuda":
-            run()                                            # warmup: lazy inits and autotuning outside capture
+        def run(batch: Any) -> None:
+            self.logits.copy_(target.forward(batch))
+
+        batch = target.prepare_for_capture(bucket, seed=bucket)
+        warmup = None
+        if cuda or target.has_collective_breaks():
+            warmup = SyncCheckedWarmup() if cuda else BreakLog()
+            with warmup:
+                run(batch)
+        if cuda:
             torch.cuda.synchronize()
-            with CudaCapture(self.pool) as cap:
-                run()
-        else:
-            with CpuCapture() as first:                      # warmup, recorded only to compare op sequences
-                run()
-            self._load_dummy(bucket, seed=bucket + 1)
-            with CpuCapture() as cap:
-                run()
-            check_same_ops(first.signature, cap.signature, bucket)
-        return cap.finish([self.static.packed, self.logits])
-
-    def _load_dummy(self, bucket: int, seed: int) -> None:
-        """A random batch that fills ``bucket``; its pages are all the dummy page, so no real KV is touched."""
-        rng = random.Random(seed)
-        cp, align, ctx = self.strategy.cp_size, self.strategy.align, self.max_context
-        min_len = 2 * cp if cp > 1 else 1
-        n_min = max(1, -(-(bucket * cp // 2) // ctx))
-        if n_min > self.req_cap:
-            raise GraphCaptureError(f"bucket {bucket}: no batch of <= {self.req_cap} requests within the "
-                                    f"context limit {ctx} fills it")
-        n_req = rng.randint(n_min, max(n_min, min(self.req_cap, bucket * cp // (2 * min_len))))
-        hi = min(max(n_req * min_len, bucket * cp), n_req * ctx)
-        for _ in range(1000):
-            target = rng.randint(min(hi, max(n_req * min_len, bucket * cp // 2)), hi)
-            extra = target - n_req * min_len
-            cuts = sorted(rng.randint(0, extra) for _ in range(n_req - 1))
-            ext = [min_len + b - a for a, b in zip([0] + cuts, cuts + [extra])]
-            if max(ext) <= ctx and -(-max(self.strategy.per_rank_tokens(ext)) // align) * align <= bucket:
-                break
-            hi = max(n_req * min_len, target - 1)
-        else:
-            raise GraphCaptureError(f"bucket {bucket}: no batch of <= {self.req_cap} requests within the "
-                                    f"context limit {ctx} fills it")
-        prefix = [rng.randint(0, min(64, self.max_context - e)) for e in ext]
-        ids = [torch.randint(0, self.vocab_size, (e,), generator=torch.Generator().manual_seed(seed)) for e in ext]
-        self.staging.fill(ext, prefix, [[] for _ in ext], ids)
-        self.static.packed.copy_(self.staging.packed)
-        self.set_host(ext, prefix)
+        passes = 1 if cuda else 2
+        captures = []
+        for i in range(passes):
+            if i:
+                batch = target.prepare_for_capture(bucket, seed=bucket + i)
+            cap = CudaCapture(self.pool, self.stream) if cuda else CpuCapture()
+            try:
+                with cap:
+                    run(batch)
+            except BaseException:
+                if warmup is not None:
+                    warmup.drain(cap.graph.num_breaks, passes - i - 1)
+                raise
+            captures.append(cap)
+        if not cuda:
+            check_same_ops(captures[0].signature, captures[1].signature, bucket)
+        self.capture_batches[bucket] = batch
+        return captures[-1].finish(target.static_tensors() + [self.logits])
 
     # -- replay ----------------------------------------------------------------------------------
-    def replay(self, bucket: int, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
-               ids: list[torch.Tensor], count_host_ops: bool = False) -> tuple[torch.Tensor, int]:
-        """Copy the raw descriptors in (one copy), replay, and return (logits [R, V], host launches)."""
-        self.staging.fill(extend_lens, prefix_lens, page_rows, ids)
-        self.static.packed.copy_(self.staging.packed, non_blocking=True)
-        graph = self.graphs[bucket]
-        graph.count_host_ops = count_host_ops
+    def replay(self, bucket: int, batch: Any) -> torch.Tensor:
+        """Copy the live batch in, replay, and return the static logits buffer."""
+        self.target.prepare_for_replay(batch)
         with nvtx_range(f"graph_replay:{bucket}"):
-            graph.replay()
-        return self.logits[:len(extend_lens)], graph.host_ops + 1   # +1: the descriptor copy
+            self.graphs[bucket].replay(swap=(self.capture_batches[bucket].host, batch.host))
+        return self.logits
 
 
 def _memory(device: torch.device) -> int:

@@ -5,33 +5,24 @@ replays never touch a real cache entry.
 """
 from __future__ import annotations
 
-import importlib.util
+from typing import Callable
 
 import torch
 
 DUMMY_SLOT = 0
 
 
-def _triton_kv_write():
-    """The Triton scatter kernel where triton is importable (CUDA pools only), else None."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    try:
-        from graphcp.attention.kernels.triton_kv_write import triton_kv_write
-    except ImportError:
-        return None
-    return triton_kv_write
-
-
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, layer_offset: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
+                 write_kernel: Callable | None = None) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         self.layer_offset = layer_offset     # a pipeline stage stores layers [offset, offset + num_layers)
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._triton_write = _triton_kv_write() if self.k.device.type == "cuda" else None
+        self.device = self.k.device
+        self._write_kernel = write_kernel     # a fused scatter of K and V (Triton on CUDA), else index_copy_
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.k[layer - self.layer_offset]
@@ -41,8 +32,8 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         layer -= self.layer_offset
-        if self._triton_write is not None:
-            self._triton_write(self.k[layer], self.v[layer], slots, k, v)
+        if self._write_kernel is not None:
+            self._write_kernel(self.k[layer], self.v[layer], slots, k, v)
             return
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)

@@ -71,7 +71,8 @@ class PageTable:
             self.requests[rid].cached_len += n
 
     def rollback(self, rids: list[str], added: list[list[int]]) -> None:
-        for rid, new in zip(rids, added):
+        """Undo ``allocate`` exactly, free-list order included (last request first)."""
+        for rid, new in reversed(list(zip(rids, added))):
             state = self.requests[rid]
             del state.pages[len(state.pages) - len(new):]
             self.free_pages.extend(reversed(new))

@@ -1,69 +1,13 @@
-"""Small layers shared by the llama family: RMSNorm and the rotary embedding."""
+"""Small layers shared by the llama family: RMSNorm and the rotary embedding (one Triton launch each\non CUDA once ``probe_layer_kernels`` has checked them at start; the torch forms are HF's)."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import logging
 import math
-from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from graphcp.models.config import ModelConfig
-
-log = logging.getLogger("graphcp")
-_TRITON_FORMS = {"rms_norm": ("graphcp.models.triton_rmsnorm", "triton_rms_norm"),
-                 "rope": ("graphcp.models.triton_rope", "triton_rope")}
-_CUDA_KERNELS: dict[str, Callable | None] = {}
-
-
-def cuda_kernel(name: str) -> Callable | None:
-    """graphcp's one-launch Triton form of a layer op (``rms_norm``, ``rope``) for CUDA tensors, or None
-    where triton is not importable (the torch form then runs). Looked up once per process."""
-    if name not in _CUDA_KERNELS:
-        fn = None
-        if importlib.util.find_spec("triton") is not None:
-            module, attr = _TRITON_FORMS[name]
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except ImportError:
-                fn = None
-        _CUDA_KERNELS[name] = fn
-    return _CUDA_KERNELS[name]
-
-
-_CHECKED: set[str] = set()
-
-
-def fused_or_torch(name: str, fused_call: Callable[[Callable], Any], torch_call: Callable[[], Any]) -> Any:
-    """Run the Triton form of ``name``. Its first call in a process (an eager warmup, before any capture) is
-    checked against the torch form; if it raises or disagrees, the op uses the torch form from then on and
-    one warning says why, so a kernel that cannot compile or run here never stops the engine."""
-    fn = cuda_kernel(name)
-    if fn is None:
-        return torch_call()
-    if name in _CHECKED or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return fused_call(fn)
-    try:
-        got, ref = fused_call(fn), torch_call()
-        pairs = list(zip(got, ref)) if isinstance(got, tuple) else [(got, ref)]
-        if any(b.numel() == 0 for _, b in pairs):
-            return got                          # nothing to compare yet: check on a later call
-        err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-                  for a, b in pairs)
-        dtype = (ref[0] if isinstance(ref, tuple) else ref).dtype
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        reason = None if err <= tol else f"disagrees with the torch form (max rel err {err:.2e})"
-    except Exception as e:  # noqa: BLE001 - any failure means the torch form serves instead
-        reason, ref = f"failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})", None
-    if reason is None:
-        _CHECKED.add(name)
-        return got
-    _CUDA_KERNELS[name] = None
-    log.warning("graphcp: the Triton %s %s; using the torch form", name, reason)
-    return torch_call() if ref is None else ref
-
+from graphcp.models.layer_kernels import checked_kernel, fused_or_torch
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -73,10 +17,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # noqa: ANN201
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the add fused on CUDA."""
-        if x.is_cuda and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
+        fn = checked_kernel("rms_norm") if x.is_cuda else None
+        if fn is not None and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
                 residual is None or (x.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype)):
-            return fused_or_torch("rms_norm", lambda fn: fn(x, self.weight, self.eps, residual),
-                                  lambda: self._torch_form(x, residual))
+            return fn(x, self.weight, self.eps, residual)
         return self._torch_form(x, residual)
 
     def _torch_form(self, x: torch.Tensor, residual: torch.Tensor | None):  # noqa: ANN202
@@ -140,10 +84,10 @@ class RotaryEmbedding(nn.Module):
             sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
             cached = self._last = (positions, cos, sin)
         _, cos, sin = cached
-        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+        fn = checked_kernel("rope") if q.is_cuda else None
+        if fn is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
-            return fused_or_torch("rope", lambda fn: (fn(q, cos2, sin2), fn(k, cos2, sin2)),
-                                  lambda: (rope_torch(q, cos, sin), rope_torch(k, cos, sin)))
+            return fn(q, cos2, sin2), fn(k, cos2, sin2)
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
 
 
@@ -155,3 +99,19 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def probe_layer_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """Check each Triton layer op once on small inputs shaped like the model's (strided q/k heads, the
+    residual form of RMSNorm). Runs eagerly at engine start on CUDA."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    x, res, w = rand(7, 96), rand(7, 96), rand(96)
+    fused_or_torch("rms_norm", lambda fn: fn(x, w, 1e-6, res),
+                   lambda: (rms_norm_torch(res + x, w, 1e-6), res + x))
+    qkv, cos, sin = rand(7, 6, 64), rand(7, 64), rand(7, 64)
+    q = qkv[:, :4]                                  # a strided view, as the fused qkv output gives
+    fused_or_torch("rope", lambda fn: fn(q, cos, sin), lambda: rope_torch(q, cos[:, None], sin[:, None]))

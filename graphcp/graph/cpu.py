@@ -1,109 +1,25 @@
-"""Breakable graphs: captured segments replayed from fixed buffers, with eager breaks between them.
+"""The CPU emulation of graph capture: it records every aten op of a segment with a dispatch mode and
+replays the recorded op list without re-running Python. It enforces the CUDA capture rules so that they hold
+on machines without a GPU: no host syncs, no data-dependent shapes, no constant tensors made in a segment.
 
-A function decorated with ``graph_break`` (an attention kernel that needs host arguments, a collective that
-cannot be captured) ends the current segment when called during a capture, runs eagerly, and at replay runs
-again eagerly with the same argument objects, writing into a caller-provided output buffer.
-
-Two backends share one protocol (``begin`` / ``run_break`` / ``finish`` -> ``BreakableGraph.replay``):
-- ``CudaCapture``: one ``torch.cuda.CUDAGraph`` per segment, one memory pool shared by all buckets.
-- ``CpuCapture``: records every aten op of a segment with a dispatch mode and replays the recorded op list
-  without re-running Python. It enforces the CUDA capture rules so that they hold on machines without a GPU:
-  no host syncs, no data-dependent shapes, no constant tensors made inside a segment.
+It also keeps CUDA's semantics where they matter: a captured segment computes nothing until it is
+replayed. The ops run while they are recorded (the recorder needs real tensors), but when a segment ends
+every tensor it allocated is overwritten with garbage (NaN, huge integers), as the stale pool memory a
+CUDA capture leaves. A break run at capture therefore sees real inputs only because the protocol replays
+the just-captured segment first, exactly as the CUDA backend must.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
 import os
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from graphcp.profiling import nvtx_range
-
-
-class GraphCaptureError(RuntimeError):
-    """A capture rule was broken inside a segment; the bucket must run eagerly."""
-
-
-_active: "_Capture | None" = None
-
-
-def graph_break(fn: Callable) -> Callable:
-    """Mark ``fn`` as a break point. It must write its result into an argument, not return new memory."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        global _active
-        if _active is None:
-            return fn(*args, **kwargs)
-        capture, _active = _active, None       # a break runs eagerly, breaks nested inside it too
-        try:
-            return capture.run_break(fn, args, kwargs)
-        finally:
-            _active = capture
-
-    return wrapper
-
-
-def capture_active() -> bool:
-    return _active is not None
-
-
-# -- replay ---------------------------------------------------------------------------------------
-@dataclass
-class _Break:
-    fn: Callable
-    args: tuple
-    kwargs: dict
-    resolve: tuple | None = None            # CPU: (flat args, treespec, [(position, env index)])
-    outs: list = field(default_factory=list)  # CPU: [(output position, env index)]
-
-
-@dataclass
-class BreakableGraph:
-    items: list = field(default_factory=list)          # _CudaSegment | _CpuSegment | _Break
-    static: list[torch.Tensor] = field(default_factory=list)
-    static_ptrs: list[int] = field(default_factory=list)
-    env_size: int = 0                                    # CPU: intermediates a replay holds
-    count_host_ops: bool = False                         # set by bench: count ops run outside segments
-    host_ops: int = 0                                    # launches of the last replay (segments count 1)
-
-    @property
-    def num_segments(self) -> int:
-        return sum(not isinstance(i, _Break) for i in self.items)
-
-    @property
-    def num_breaks(self) -> int:
-        return sum(isinstance(i, _Break) for i in self.items)
-
-    def replay(self, env: list | None = None) -> None:
-        for t, ptr in zip(self.static, self.static_ptrs):
-            if t.data_ptr() != ptr:
-                raise GraphCaptureError("a static buffer moved after capture; graphs read fixed addresses")
-        env: list = [None] * self.env_size
-        launches = 0
-        for item in self.items:
-            if isinstance(item, _Break):
-                counter = OpCounter() if self.count_host_ops else contextlib.nullcontext()
-                with nvtx_range(f"break:{item.fn.__name__}"), counter:
-                    args, kwargs = _resolve_break(item, env)
-                    out = item.fn(*args, **kwargs)
-                    if item.outs:
-                        flat_out = tree_flatten(out)[0]
-                        for pos, ref in item.outs:
-                            env[ref] = flat_out[pos]
-                launches += counter.count if self.count_host_ops else 0
-            else:
-                item.replay(env)
-                launches += 1
-        self.host_ops = launches
-
+from graphcp.graph.protocol import Break, BreakableGraph, Capture, GraphCaptureError, capture_active, set_active
+from graphcp.profiling import no_profiler_ranges
 
 # -- CPU emulation ---------------------------------------------------------------------------------
 _SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static", "aten::masked_select",
@@ -116,7 +32,7 @@ def _caller() -> str:
     """The innermost frame outside torch and this file: where the offending op was written."""
     for frame in reversed(traceback.extract_stack()):
         path = frame.filename.replace(os.sep, "/")
-        if "/torch/" not in path and not path.endswith("graph/capture.py"):
+        if "/torch/" not in path and not path.endswith("graph/cpu.py"):
             return f"{path}:{frame.lineno} ({frame.line})"
     return "an unknown place"
 
@@ -182,10 +98,12 @@ class _CpuSegment:
     def __init__(self) -> None:
         # (op, args, kwargs, arg_refs [(i, j, ref)], kwarg_refs [(key, ref)], outs [(pos, ref)])
         self.nodes: list[tuple] = []
-        self.drops: list[list[int]] = []
+        self.drops: list[list[int]] = []      # planned at finish; none while capturing
+        self.fresh: list[int] = []            # refs of the tensors this segment allocates
 
     def replay(self, env: list) -> None:
-        for (op, args, kwargs, arefs, krefs, outs), drop in zip(self.nodes, self.drops):
+        drops = self.drops or [()] * len(self.nodes)
+        for (op, args, kwargs, arefs, krefs, outs), drop in zip(self.nodes, drops):
             if arefs:
                 args = list(args)
                 for i, j, ref in arefs:
@@ -206,15 +124,11 @@ class _CpuSegment:
                 env[ref] = None
 
 
-class _Capture:
-    def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        raise NotImplementedError
-
-
-class CpuCapture(_Capture):
+class CpuCapture(Capture):
     """Record a forward into a BreakableGraph of recorded-op segments and breaks."""
 
-    def __init__(self) -> None:
+    def __init__(self, replay_before_break: bool = True) -> None:
+        self.replay_before_break = replay_before_break   # the protocol; False only to show why it is needed
         self.graph = BreakableGraph()
         self.ids: dict[int, int] = {}          # id(tensor made during capture) -> env index
         self.keep: list[torch.Tensor] = []     # keeps captured tensors alive so ids stay unique
@@ -223,32 +137,45 @@ class CpuCapture(_Capture):
         self.mode: _Recorder | None = None
 
     def __enter__(self) -> "CpuCapture":
-        global _active
-        if _active is not None:
+        if capture_active():
             raise GraphCaptureError("nested graph capture")
-        _active = self
+        self._quiet = no_profiler_ranges()
+        self._quiet.__enter__()
+        set_active(self)
         self._begin()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        global _active
         try:
             self._end()          # leaves the recording mode, also after an error (which then propagates)
         finally:
-            _active = None
+            set_active(None)
+            self._quiet.__exit__(None, None, None)
 
     def _begin(self) -> None:
         self.segment = _CpuSegment()
         self.mode = _Recorder(self)
         self.mode.__enter__()
 
-    def _end(self) -> None:
+    def _end(self) -> _CpuSegment | None:
+        """Close the segment; its tensors now hold garbage, as after a CUDA capture."""
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
-        if self.segment is not None and self.segment.nodes:
-            self.graph.items.append(self.segment)
-        self.segment = None
+        segment, self.segment = self.segment, None
+        if segment is None or not segment.nodes:
+            return None
+        self.graph.items.append(segment)
+        for ref in segment.fresh:
+            _poison(self.keep[ref])
+        return segment
+
+    def _replay_into_capture(self, segment: _CpuSegment) -> None:
+        """Replay a just-captured segment and leave its results where the capture-time tensors are."""
+        env = list(self.keep)
+        segment.replay(env)
+        for ref in segment.fresh:
+            self.keep[ref].copy_(env[ref])
 
     def _flatten_refs(self, tree: Any) -> tuple[list, Any, list[tuple[int, int]]]:
         flat, spec = tree_flatten(tree)
@@ -282,6 +209,10 @@ class CpuCapture(_Capture):
         else:
             outs = [(pos, self._bind(t)) for pos, t in enumerate(out or ())
                     if isinstance(t, torch.Tensor) and id(t) not in self.ids]
+        schema = getattr(func, "_schema", None)
+        if schema is not None and not any(r.alias_info is not None for r in schema.returns):
+            # New memory (not a view, not an in-place or out= result): garbage until replayed.
+            self.segment.fresh.extend(ref for _, ref in outs if self.keep[ref]._base is None)
         op = getattr(func, "_op", func)      # the C++ op behind the OpOverload: one Python frame less
         self.segment.nodes.append((op, tuple(template), dict(kwargs), arefs, krefs, outs))
 
@@ -291,11 +222,13 @@ class CpuCapture(_Capture):
         return self.ids[id(t)]
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        self._end()
+        segment = self._end()
+        if segment is not None and self.replay_before_break:
+            self._replay_into_capture(segment)
         flat, spec, refs = self._flatten_refs((args, kwargs))
         out = fn(*args, **kwargs)
         self.signature.append(("break", fn.__name__))
-        self.graph.items.append(_Break(fn, args, kwargs, (flat, spec, refs), self._bind_outputs(out)))
+        self.graph.items.append(Break(fn, args, kwargs, (flat, spec, refs), self._bind_outputs(out)))
         self._begin()
         return out
 
@@ -307,6 +240,15 @@ class CpuCapture(_Capture):
         self.keep.clear()
         self.ids.clear()
         return g
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(min(1 << 40, torch.iinfo(t.dtype).max))
 
 
 def _signature(func: Any, tree: Any, out: Any) -> tuple:
@@ -323,7 +265,7 @@ def _plan_drops(g: BreakableGraph) -> None:
     """Free each intermediate after its last use so replay memory stays like an eager forward's."""
     last: dict[int, tuple[int, int]] = {}
     for si, item in enumerate(g.items):
-        if isinstance(item, _Break):
+        if isinstance(item, Break):
             for _, ref in item.resolve[2]:
                 last[ref] = (si, -1)
         else:
@@ -331,111 +273,8 @@ def _plan_drops(g: BreakableGraph) -> None:
                 for ref in [r for _, _, r in node[3]] + [r for _, r in node[4]]:
                     last[ref] = (si, ni)
     for item in g.items:
-        if not isinstance(item, _Break):
+        if not isinstance(item, Break):
             item.drops = [[] for _ in item.nodes]
     for ref, (si, ni) in last.items():
         if ni >= 0:
             g.items[si].drops[ni].append(ref)
-
-
-def _resolve_break(item: _Break, env: list) -> tuple[tuple, dict]:
-    if item.resolve is None:  # CUDA: arguments live at fixed addresses
-        return item.args, item.kwargs
-    flat, spec, refs = item.resolve
-    flat = list(flat)
-    for pos, ref in refs:
-        flat[pos] = env[ref]
-    return tree_unflatten(flat, spec)
-
-
-def check_same_ops(first: list[tuple], second: list[tuple], bucket: int) -> None:
-    """Two captures of one bucket with different batches must launch the same ops with the same shapes."""
-    for i, (a, b) in enumerate(zip(first, second)):
-        if a != b:
-            raise GraphCaptureError(f"bucket {bucket}: op #{i} differs between two batches of the same bucket "
-                                    f"({a[0]} vs {b[0]}): a shape or argument depends on the batch data")
-    if len(first) != len(second):
-        raise GraphCaptureError(f"bucket {bucket}: {len(first)} vs {len(second)} ops for two batches of the same "
-                                f"bucket: control flow depends on the batch data")
-
-
-# -- CUDA -------------------------------------------------------------------------------------------
-class _CudaSegment:
-    def __init__(self, graph: "torch.cuda.CUDAGraph") -> None:
-        self.graph = graph
-
-    def replay(self, env: list) -> None:
-        self.graph.replay()
-
-
-class CudaCapture(_Capture):
-    """Capture a forward as CUDA graphs, one per segment, in a pool shared across buckets."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self.graph = BreakableGraph()
-        self.stream = torch.cuda.Stream()
-        self.current: Any = None
-        self.signature: list[tuple] = []
-
-    def __enter__(self) -> "CudaCapture":
-        global _active
-        torch.cuda.synchronize()
-        gc.collect()
-        gc.freeze()  # no Python gc (and no CUDA frees it triggers) in the middle of a capture
-        self.stream.wait_stream(torch.cuda.current_stream())
-        self._stream_ctx = torch.cuda.stream(self.stream)
-        self._stream_ctx.__enter__()
-        _active = self
-        self._begin()
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        global _active
-        try:
-            if exc_type is None:
-                self._end()
-            else:   # end the interrupted capture so the stream is usable; the original error propagates
-                with contextlib.suppress(RuntimeError):
-                    self._end()
-                self.current = None
-        finally:
-            _active = None
-            self._stream_ctx.__exit__(None, None, None)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            gc.unfreeze()
-
-    def _begin(self) -> None:
-        self.current = torch.cuda.CUDAGraph()
-        self.current.capture_begin(pool=self.pool)
-
-    def _end(self) -> None:
-        if self.current is not None:
-            self.current.capture_end()
-            self.graph.items.append(_CudaSegment(self.current))
-            self.current = None
-
-    def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        self._end()
-        out = fn(*args, **kwargs)
-        self.signature.append(("break", fn.__name__))
-        self.graph.items.append(_Break(fn, args, kwargs))
-        self._begin()
-        return out
-
-    def finish(self, static: list[torch.Tensor]) -> BreakableGraph:
-        g = self.graph
-        g.static, g.static_ptrs = list(static), [t.data_ptr() for t in static]
-        return g
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops launched from the host: the host-launch counter used by ``graphcp bench``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.count += 1
-        return func(*args, **(kwargs or {}))

@@ -1,0 +1,85 @@
+"""The commands a rank serves, in one table for the in-process engine and the worker process, and how
+the engine merges the ranks' replies into one answer."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from graphcp.batch import PrefillOutput, RankReply
+
+
+def _prefill(runner, payload: tuple) -> RankReply | None:  # noqa: ANN001
+    requests, count_ops, force_eager = payload
+    reply = runner.prefill(requests, count_ops=count_ops, force_eager=force_eager)
+    return reply if runner.me.is_output and runner.par.last_stage else None
+
+
+def _release(runner, rid: str) -> None:  # noqa: ANN001
+    runner.release(rid)
+
+
+COMMANDS: dict[str, Callable[[Any, Any], Any]] = {
+    "prefill": _prefill,
+    "kv_cache": lambda runner, rid: runner.kv_cache(rid),
+    "release": _release,
+    "stats": lambda runner, _: runner.stats(),
+    "counters": lambda runner, _: runner.collective_counts(),
+}
+
+
+def execute(runner, cmd: str, payload: Any, over_ipc: bool = False) -> Any:  # noqa: ANN001
+    """Run one command on this rank. ``over_ipc``: logits travel as numpy (plain bytes, cheaper than
+    torch's shared-memory tensor passing for a few rows)."""
+    if cmd not in COMMANDS:
+        raise ValueError(f"unknown command {cmd!r}")
+    result = COMMANDS[cmd](runner, payload)
+    if over_ipc and isinstance(result, RankReply):
+        result = replace(result, output=replace(result.output, logits=result.output.logits.numpy()))
+    return result
+
+
+def merge(cmd: str, replies: list[Any]) -> Any:
+    """One answer from the ranks' replies: outputs of every DP group in request order, KV parts of every
+    pipeline stage and attention-TP rank, rank 0's stats with each rank's weight bytes."""
+    if cmd == "prefill":
+        return _merge_prefill([r for r in replies if r is not None])
+    if cmd == "kv_cache":
+        return _merge_kv([p for p in replies if p is not None and p["cp_rank"] == 0])
+    if cmd == "stats":
+        stats = dict(replies[0])
+        stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]
+        stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
+        return stats
+    return replies[0]
+
+
+def _merge_prefill(replies: list[RankReply]) -> PrefillOutput:
+    replies = sorted(replies, key=lambda r: r.dp_group)
+    outs = [r.output for r in replies]
+    for o in outs:
+        if not isinstance(o.logits, torch.Tensor):
+            o.logits = torch.from_numpy(o.logits)
+    if len(outs) == 1:
+        return outs[0]
+    order = [i for r in replies for i in r.request_indices]
+    logits = torch.cat([o.logits for o in outs])[torch.argsort(torch.tensor(order))]
+    reasons = [o.eager_reason for o in outs if o.eager_reason]
+    return PrefillOutput(logits=logits, next_token_ids=logits.argmax(-1).tolist(),
+                         mode="graph" if all(o.mode == "graph" for o in outs) else "eager",
+                         graph_bucket=outs[0].graph_bucket, eager_reason=reasons[0] if reasons else None,
+                         cp_applied=all(r.output.cp_applied for r in replies if r.request_indices),
+                         per_rank_tokens=[n for o in outs for n in o.per_rank_tokens])
+
+
+def _merge_kv(parts: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    by_layer: dict[int, list[tuple[int, tuple]]] = {}
+    for part in parts:
+        for i, kv in enumerate(part["layers"]):
+            by_layer.setdefault(part["first_layer"] + i, []).append((part["attn_tp_rank"], kv))
+    out = []
+    for layer in sorted(by_layer):
+        shards = [kv for _, kv in sorted(by_layer[layer], key=lambda x: x[0])]
+        out.append((torch.cat([k for k, _ in shards]), torch.cat([v for _, v in shards])))
+    return out

@@ -1,0 +1,62 @@
+"""One rank's place in the parallel layout, resolved once at start: its groups, its collectives, the
+tensor-parallel slices its layers load, and its pipeline stage's layers."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.config import EngineArgs
+from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce
+from graphcp.dist.topology import Groups, RankInfo, build_groups, rank_info
+from graphcp.models.parallel import TPInfo, shard_range
+
+
+@dataclass
+class RankParallel:
+    me: RankInfo
+    groups: Groups
+    comm: CPComm | None                    # the attention CP group's collectives
+    attn_tp: TPInfo                        # heads and the vocabulary are split over attention TP
+    ffn_tp: TPInfo                         # the dense FFN's split (the TP world by default)
+    communicator: FFNCommunicator | None   # moves rows between the attention and the FFN layout
+    layers: range                          # this pipeline stage's layers
+    first_stage: bool
+    last_stage: bool
+    ranks_per_device: int                  # ranks of this host sharing this rank's device
+    device: torch.device
+
+    @classmethod
+    def build(cls, args: EngineArgs, rank: int, num_layers: int, device: torch.device) -> "RankParallel":
+        me = rank_info(args, rank)
+        groups = build_groups(args, me) if args.world_size > 1 else Groups(None, None)
+        atp = args.attn_tp_size
+        comm = CPComm(groups.cp, args.cp_size, me.cp_rank) if args.cp_size > 1 else None
+        attn_tp = TPInfo(atp, me.attn_tp_rank, groups.attn_tp)
+        tp_rank = rank % args.tp_size
+        # The dense FFN is split over the whole TP world by default; when that is wider than attention TP,
+        # a layer communicator gathers every CP/DP rank's tokens before it and hands each rank its rows after.
+        wide = args.resolved_ffn_tp_size > atp
+        ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp) if wide else attn_tp
+        communicator = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp) if wide else None
+        layers = range(*shard_range(num_layers, args.pp_size, me.pp_rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+        return cls(me, groups, comm, attn_tp, ffn_tp, communicator, layers, me.pp_rank == 0,
+                   me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device)
+
+    def all_ranks_agree(self, ok: bool) -> bool:
+        """All-rank AND over the CP group (graph capture keeps the same buckets on every rank)."""
+        if self.comm is None:
+            return ok
+        flag = torch.tensor([0 if ok else 1], dtype=torch.long, device=self.device)
+        all_reduce(flag, self.comm.group)
+        return int(flag.item()) == 0
+
+
+def ranks_per_device(device: torch.device, local_world_size: int) -> int:
+    """Ranks of this host that share ``device``: every rank on CPU; on CUDA, ranks map round-robin onto
+    the visible GPUs (local rank % device count)."""
+    if device.type != "cuda":
+        return local_world_size
+    return -(-local_world_size // max(1, torch.cuda.device_count()))

@@ -1,0 +1,171 @@
+"""The breakable-graph protocol: captured segments replayed from fixed buffers, with eager breaks between.
+
+A function decorated with ``graph_break`` (an attention kernel that needs host arguments, a collective that
+cannot be captured) ends the current segment when called during a capture, runs eagerly, and at replay runs
+again eagerly with live arguments, writing into a caller-provided output buffer.
+
+A capture backend (``graph/cpu.py``, ``graph/cuda.py``) implements ``run_break`` and ``finish``; both fill a
+``BreakableGraph`` whose ``replay`` is shared. At replay, a break argument that *is* the capture batch's
+live object (``swap``) is replaced by the replayed batch's, so a break always sees the batch it serves.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphcp.profiling import active_counter, nvtx_range, paused
+
+
+class GraphCaptureError(RuntimeError):
+    """A capture rule was broken inside a segment; the bucket must run eagerly."""
+
+
+class Capture:
+    """A capture backend. Entering it makes it the active capture that ``graph_break`` reports to."""
+
+    def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def finish(self, static: list[torch.Tensor]) -> "BreakableGraph":
+        raise NotImplementedError
+
+
+_active: Capture | None = None
+
+
+def set_active(capture: Capture | None) -> None:
+    global _active
+    _active = capture
+
+
+def capture_active() -> bool:
+    return _active is not None
+
+
+def graph_break(fn: Callable | None = None, *, collective: bool = False) -> Callable:
+    """Mark ``fn`` as a break point. It must write its result into an argument, not return new memory.
+    ``collective``: ``fn`` is a collective its peers must meet (a rank whose capture fails still issues it,
+    see ``BreakLog.drain``)."""
+    if fn is None:
+        return functools.partial(graph_break, collective=collective)
+    fn.graphcp_collective = collective
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        capture = _active
+        if capture is None:
+            return fn(*args, **kwargs)
+        set_active(None)                       # a break runs eagerly, breaks nested inside it too
+        try:
+            return capture.run_break(fn, args, kwargs)
+        finally:
+            set_active(capture)
+
+    return wrapper
+
+
+class BreakLog(Capture):
+    """An eager run that records its breaks: the sequence of collectives every pass of a capture issues.
+    When a rank's capture fails partway, ``drain`` issues the collectives its peers still wait for, so
+    every rank reaches the end of the capture and the agreement on the bucket with matched collectives."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable, tuple, dict]] = []
+
+    def __enter__(self) -> "BreakLog":
+        set_active(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        set_active(None)
+
+    def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        self.calls.append((fn, args, kwargs))
+        return fn(*args, **kwargs)
+
+    def drain(self, done: int, passes_left: int) -> None:
+        """Issue the logged collectives after the first ``done`` breaks, then ``passes_left`` more passes'
+        worth (on the warmup's own buffers: the values do not matter, only that peers are met)."""
+        pending = self.calls[done:] + self.calls * passes_left
+        for fn, args, kwargs in pending:
+            if getattr(fn, "graphcp_collective", False):
+                fn(*args, **kwargs)
+
+
+@dataclass
+class Break:
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    resolve: tuple | None = None              # CPU: (flat args, treespec, [(position, env index)])
+    outs: list = field(default_factory=list)  # CPU: [(output position, env index)]
+
+
+@dataclass
+class BreakableGraph:
+    items: list = field(default_factory=list)          # segments (with .replay(env)) and Breaks
+    static: list[torch.Tensor] = field(default_factory=list)
+    static_ptrs: list[int] = field(default_factory=list)
+    env_size: int = 0                                    # CPU: intermediates a replay holds
+
+    @property
+    def num_segments(self) -> int:
+        return sum(not isinstance(i, Break) for i in self.items)
+
+    @property
+    def num_breaks(self) -> int:
+        return sum(isinstance(i, Break) for i in self.items)
+
+    def replay(self, swap: tuple[Any, Any] | None = None) -> None:
+        """Run every segment and break in order. ``swap`` = (capture object, live object). Under an active
+        host-op counter a segment counts as one launch; a break's ops count one by one."""
+        for t, ptr in zip(self.static, self.static_ptrs):
+            if t.data_ptr() != ptr:
+                raise GraphCaptureError("a static buffer moved after capture; graphs read fixed addresses")
+        env: list = [None] * self.env_size
+        counter = active_counter()
+        for item in self.items:
+            if isinstance(item, Break):
+                with nvtx_range(f"break:{item.fn.__name__}"):
+                    args, kwargs = _resolve_break(item, env, swap)
+                    out = item.fn(*args, **kwargs)
+                    if item.outs:
+                        flat_out = tree_flatten(out)[0]
+                        for pos, ref in item.outs:
+                            env[ref] = flat_out[pos]
+            else:
+                with paused(counter):
+                    item.replay(env)
+                if counter is not None:
+                    counter.count += 1
+
+
+def _resolve_break(item: Break, env: list, swap: tuple[Any, Any] | None) -> tuple[tuple, dict]:
+    if item.resolve is None:  # CUDA: tensor arguments live at fixed addresses
+        args, kwargs = item.args, item.kwargs
+    else:
+        flat, spec, refs = item.resolve
+        flat = list(flat)
+        for pos, ref in refs:
+            flat[pos] = env[ref]
+        args, kwargs = tree_unflatten(flat, spec)
+    if swap is None:
+        return args, kwargs
+    old, new = swap
+    return (tuple(new if a is old else a for a in args),
+            {k: new if v is old else v for k, v in kwargs.items()})
+
+
+def check_same_ops(first: list[tuple], second: list[tuple], bucket: int) -> None:
+    """Two captures of one bucket with different batches must launch the same ops with the same shapes."""
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            raise GraphCaptureError(f"bucket {bucket}: op #{i} differs between two batches of the same "
+                                    f"bucket ({a[0]} vs {b[0]}): a shape or argument depends on the batch data")
+    if len(first) != len(second):
+        raise GraphCaptureError(f"bucket {bucket}: {len(first)} vs {len(second)} ops for two batches of the "
+                                f"same bucket: control flow depends on the batch data")

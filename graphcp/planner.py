@@ -1,0 +1,176 @@
+"""The planner: host-side decisions for a batch, made identically on every rank, without processes.
+
+It validates the batch, assigns requests to DP groups, decides the layout (sharded or not), the graph
+bucket or the reason to run eagerly, and owns the page tables: every rank mirrors every DP group's table,
+so all ranks accept or refuse a batch alike. Pages move in transactions (allocate, then commit or
+rollback), so a failed forward leaves no trace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from graphcp.batch import Request, validate_requests
+from graphcp.cp.strategy import ContextParallelStrategy, make_strategy, unsharded
+from graphcp.errors import RequestError
+from graphcp.graph.runner import select_bucket
+from graphcp.kv.pages import PageTable
+
+
+def config_ineligibility(args, backend: str) -> str | None:  # noqa: ANN001
+    """The one eligibility predicate for configurations; None means graphs are used."""
+    if args.disable_cuda_graph:
+        return "graphs disabled by --disable-cuda-graph"
+    if args.pp_size > 1:
+        return "pp_size > 1"
+    if args.dp_size > 1:
+        return "dp_size > 1"
+    if args.attn_cp_size != args.tp_size:
+        return "attn_cp_size != tp_size"
+    if args.cp_size > 1:
+        reason = make_strategy(args.cp_strategy, args.cp_size).graph_reason
+        if reason is not None:
+            return reason
+    if backend != "trtllm_mha":
+        return f"--attention-backend {backend} runs eagerly (graphs need trtllm_mha)"
+    return None
+
+
+@dataclass
+class BatchPlan:
+    """This rank's part of a batch: its DP group's requests, their layout, and graph or eager."""
+    rids: list[str]
+    ids: list[torch.Tensor]
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    strategy: ContextParallelStrategy
+    cp_applied: bool
+    per_rank_tokens: list[int]
+    bucket: int | None
+    eager_reason: str | None
+    indices: list[int]           # positions of these requests in the caller's batch (DP splits batches)
+    local_cap: int               # rows of this rank's padded buffers (eager)
+    dp_groups: list[int]         # DP group of every request of the batch
+    all_rids: list[str] = field(default_factory=list)
+    all_extend_lens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PageTransaction:
+    """Pages added for a batch in every DP group's table: [(table, rids, new lengths, pages added)]."""
+    parts: list[tuple[PageTable, list[str], list[int], list[list[int]]]]
+
+
+class Planner:
+    def __init__(self, strategy: ContextParallelStrategy, cp_size: int, dp_size: int, dp_rank: int,
+                 vocab_size: int, num_pages: int, page_size: int, max_context: int,
+                 max_batch_requests: int) -> None:
+        self.strategy, self.cp_size, self.dp_rank = strategy, cp_size, dp_rank
+        self.vocab_size, self.max_batch_requests = vocab_size, max_batch_requests
+        self.dp_pages = [PageTable(num_pages, page_size, max_context) for _ in range(dp_size)]
+        self.pages = self.dp_pages[dp_rank]
+
+    # -- decisions -------------------------------------------------------------------------------
+    def assign_dp(self, rids: list[str], extend_lens: list[int]) -> list[int]:
+        """DP group of each request: where its KV already lives, else the group with the fewest new tokens."""
+        load = [0] * len(self.dp_pages)
+        groups = []
+        for rid, n in zip(rids, extend_lens):
+            owner = self.owner(rid)
+            g = owner if owner is not None else min(range(len(load)), key=lambda d: (load[d], d))
+            load[g] += n
+            groups.append(g)
+        return groups
+
+    def plan(self, requests: Sequence[Request], force_eager: bool = False, graph_reason: str | None = None,
+             buckets: Sequence[int] = (), failures: dict[int, str] | None = None) -> BatchPlan:
+        """Validate and place a batch; raises RequestError (changing nothing) when it cannot run."""
+        all_rids, all_ids = validate_requests(requests, self.vocab_size)
+        all_ext = [t.numel() for t in all_ids]
+        groups = self.assign_dp(all_rids, all_ext)
+        for g, pages in enumerate(self.dp_pages):          # every group's check, on every rank
+            mine = [i for i, d in enumerate(groups) if d == g]
+            pages.check([all_rids[i] for i in mine], [all_ext[i] for i in mine])
+        indices = [i for i, d in enumerate(groups) if d == self.dp_rank]
+        rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
+        ext = [all_ext[i] for i in indices]
+        prefix = [self.pages.prefix_len(r) for r in rids]
+        strategy, cp_applied = self.strategy, self.cp_size > 1
+        if cp_applied and not strategy.applies(ext):
+            strategy, cp_applied = unsharded(), False
+        # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
+        local_cap = max(self._local_cap([n for n, d in zip(all_ext, groups) if d == g])
+                        for g in range(len(self.dp_pages)))
+        # Unsharded, every rank holds the whole batch.
+        counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.cp_size
+        bucket, reason = None, graph_reason
+        if reason is None and force_eager:
+            reason = "eager forced by the caller (force_eager=True)"
+        if reason is None:
+            if self.cp_size > 1 and not cp_applied:
+                reason = self.strategy.unsharded_reason()
+            elif len(rids) > self.max_batch_requests:
+                reason = (f"{len(rids)} requests exceed the graphs' capacity of {self.max_batch_requests} "
+                          f"(--max-batch-requests)")
+            else:
+                real = max(counts)
+                bucket, reason = select_bucket(list(buckets), real, strategy.aligned(real), failures)
+        return BatchPlan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices,
+                         local_cap, groups, all_rids, all_ext)
+
+    def _local_cap(self, extend_lens: list[int]) -> int:
+        """Rows of one rank's padded buffers for a DP group's requests (>= 1 so empty groups can join)."""
+        if not extend_lens:
+            return 1
+        if self.cp_size > 1 and self.strategy.applies(extend_lens):
+            return self.strategy.local_capacity(extend_lens)
+        return sum(extend_lens)
+
+    # -- pages -----------------------------------------------------------------------------------
+    def allocate(self, plan: BatchPlan) -> PageTransaction:
+        """Pages for every DP group's requests: this rank's group, and its mirrors of the others."""
+        parts = []
+        for g, pages in enumerate(self.dp_pages):
+            picked = [(r, n) for r, n, d in zip(plan.all_rids, plan.all_extend_lens, plan.dp_groups) if d == g]
+            rids, lens = [r for r, _ in picked], [n for _, n in picked]
+            parts.append((pages, rids, lens, pages.allocate(rids, lens)))
+        return PageTransaction(parts)
+
+    def commit(self, txn: PageTransaction) -> None:
+        for pages, rids, lens, _ in txn.parts:
+            pages.commit(rids, lens)
+
+    def rollback(self, txn: PageTransaction) -> None:
+        for pages, rids, _, added in txn.parts:
+            pages.rollback(rids, added)
+
+    def owner(self, rid: str) -> int | None:
+        """The DP group holding ``rid``'s KV, or None."""
+        return next((g for g, pages in enumerate(self.dp_pages) if rid in pages.requests), None)
+
+    def release(self, rid: str) -> None:
+        owner = self.owner(rid)
+        if owner is None:
+            raise RequestError(f"request {rid!r} is unknown: nothing to release")
+        self.dp_pages[owner].release(rid)
+
+    def slots(self, rid: str) -> torch.Tensor | None:
+        """KV slots of ``rid``'s cached tokens in order (None when another DP group holds it)."""
+        if self.owner(rid) is None:
+            raise RequestError(f"request {rid!r} is unknown: it holds no cached KV")
+        state = self.pages.requests.get(rid)
+        if state is None:
+            return None
+        ps = self.pages.page_size
+        pos = torch.arange(state.cached_len)
+        return torch.tensor(state.pages, dtype=torch.long)[pos // ps] * ps + pos % ps
+
+    @property
+    def tokens_total(self) -> int:
+        return sum(p.tokens_total for p in self.dp_pages)
+
+    @property
+    def tokens_free(self) -> int:
+        return sum(p.tokens_free for p in self.dp_pages)
