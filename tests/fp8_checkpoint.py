@@ -1,5 +1,7 @@
-"""The tests' own FP8 quantizer: block-quantized checkpoints (DeepSeek/Qwen format) made from the tiny random
-HF ones, and their exactly dequantized twins, which HF transformers runs as the oracle."""
+"""The tests' own FP8 quantizer: block-quantized checkpoints (DeepSeek/Qwen format) made from the
+tiny random HF ones, and their exactly dequantized twins, which HF transformers runs as the oracle.
+"""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +15,8 @@ FP8_MAX = 448.0
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn weight and float32 scale_inv per (rows x cols) block: amax / 448; edge blocks partial."""
+    """float8_e4m3fn weight and float32 scale_inv per (rows x cols) block: amax / 448; edge blocks
+    partial."""
     (n, k), (bo, bi) = w.shape, block
     rows, cols = -(-n // bo), -(-k // bi)
     padded = torch.zeros(rows * bo, cols * bi)
@@ -30,10 +33,15 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return q.float() * full[:n, :k]
 
 
-def make_fp8_checkpoint(src: str, dst: str, dst_dequantized: str, block: tuple[int, int],
-                        skip: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
-    """Quantize every ``*_proj.weight`` of ``src`` not in ``skip`` (module names); write the FP8 checkpoint
-    (with its quantization_config) and the dequantized float32 one (the plain config)."""
+def make_fp8_checkpoint(
+    src: str,
+    dst: str,
+    dst_dequantized: str,
+    block: tuple[int, int],
+    skip: tuple[str, ...] = ("lm_head",),
+) -> tuple[str, str]:
+    """Quantize every ``*_proj.weight`` of ``src`` not in ``skip`` (module names); write the FP8
+    checkpoint (with its quantization_config) and the dequantized float32 one (the plain config)."""
     weights = load_file(os.path.join(src, "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
@@ -50,8 +58,12 @@ def make_fp8_checkpoint(src: str, dst: str, dst_dequantized: str, block: tuple[i
     cfg_path = os.path.join(dst, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), "modules_to_not_convert": list(skip)}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": list(skip),
+    }
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return dst, dst_dequantized
