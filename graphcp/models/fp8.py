@@ -115,7 +115,7 @@ def dequantize(
 def read_dequantized(
     read,
     name: str,
-    shard: tuple[int, int, int] | None,  # noqa: ANN001
+    shard: tuple[int, int, int] | None,
     block: tuple[int, int],
 ) -> torch.Tensor:
     """A slice of an FP8 checkpoint weight, dequantized exactly: ``read(tensor_name, shard)``
