@@ -27,7 +27,7 @@ from graphcp.graph.protocol import GraphCaptureError
 from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kv.cache import KVPool
 from graphcp.kv.sizing import context_limit, kv_tokens
-from graphcp.models import load_model, read_model_config
+from graphcp.models import fp8, load_model, read_model_config
 from graphcp.models.layers import probe_layer_kernels
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range
@@ -60,6 +60,7 @@ class ModelRunner:
         self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp)
         if self.device.type == "cuda":
             probe_layer_kernels(self.device, self.dtype)
+            fp8.probe_gemm(self.model, self.dtype)
 
         per_token = KVPool.bytes_per_token(len(self.layers), heads[1], cfg.head_dim, self.dtype)
         tokens = kv_tokens(args.max_total_tokens, per_token, self.device, par.ranks_per_device,

@@ -11,6 +11,8 @@ Parts (each guarded: a failure is recorded as FAILED and the rest still runs):
   c. A ~1B random Llama checkpoint (made locally): graph replay vs eager logits and prefill latency at
      1x256, 8x128, 1x2048, 1x8192; HF transformers (sdpa) on the same weights and shapes.
   d. CP=2 zigzag as two processes sharing the GPU (gloo), graph mode, against the CP=1 logits.
+  e. The block-scaled FP8 GEMM (Triton) against its torch form and the dequantized product, and its TFLOP/s
+     at the 1B model's FFN shapes next to bf16 torch.matmul.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` and prints the tables. Exit code 1 when a part
 failed or a correctness check is out of tolerance; performance aims are reported (met / not met) only.
@@ -41,6 +43,7 @@ DRY_BUDGET_S = 80.0
 TRITON_MODULE = "graphcp.attention.kernels.triton_attention"
 KV_WRITE_MODULE = "graphcp.attention.kernels.triton_kv_write"
 LAYER_OP_MODULES = ("graphcp.models.triton_rmsnorm", "graphcp.models.triton_rope")
+FP8_GEMM_MODULE = "graphcp.models.triton_fp8_gemm"
 
 
 class SkipPart(Exception):
@@ -58,6 +61,7 @@ class Report:
         self.kernel_perf: list[dict] = []
         self.timings: list[dict] = []      # prefill latency per shape
         self.cp: list[dict] = []
+        self.fp8_perf: list[dict] = []
         self.aims: list[dict] = []
         self.info: dict = {}
         self.current: str | None = None    # the part running now (the watchdog marks it if it hangs)
@@ -125,7 +129,7 @@ class Report:
         return {"dry_run": self.dry_run, "budget_s": self.budget_s, "elapsed_s": round(self.elapsed(), 1),
                 "peak_bf16_tflops_assumed": PEAK_BF16_TFLOPS, "info": self.info, "parts": self.parts,
                 "checks": self.checks, "kernel_perf": self.kernel_perf, "timings": self.timings, "cp": self.cp,
-                "aims": self.aims, "failed": self.failed}
+                "fp8_perf": self.fp8_perf, "aims": self.aims, "failed": self.failed}
 
     def markdown(self) -> str:
         i = self.info
@@ -161,6 +165,13 @@ class Report:
                     "| shape | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
             for k in sweeps:
                 out.append(f"| {k['shape']} | " + " | ".join(_fmt(k["tiles"].get(n), ".3f") for n in names) + " |")
+        if self.fp8_perf:
+            out += ["", "## FP8 block-scaled GEMM (Triton, 1x128 activation groups, 128x128 weight blocks)", "",
+                    "| shape (M x N x K) | fp8 ms | fp8 TFLOP/s | bf16 torch.matmul ms | bf16 TFLOP/s | fp8 / bf16 |",
+                    "|---|---:|---:|---:|---:|---:|"]
+            for f in self.fp8_perf:
+                out.append(f"| {f['shape']} | {f['fp8_ms']:.3f} | {f['fp8_tflops']:.1f} | {f['bf16_ms']:.3f} | "
+                           f"{f['bf16_tflops']:.1f} | {f['fp8_tflops'] / f['bf16_tflops']:.2f}x |")
         out += ["", "## Prefill latency (median ms; engine.prefill wall time incl. logits to host)", "",
                 "| shape | graphcp eager | graphcp graph | HF transformers | graph speedup (eager/graph) | "
                 "graphcp eager vs HF (HF/eager) | graph mode, bucket |", "|---|---:|---:|---:|---:|---:|---|"]
@@ -622,6 +633,75 @@ def part_d(rep: Report, state: dict) -> str:
     return "; ".join(notes)
 
 
+# -- part e: the FP8 block-scaled GEMM ------------------------------------------------------------------
+def _fp8_case(m: int, n: int, k: int, offset: int, dtype, device: str, seed: int):  # noqa: ANN001
+    """x [m, k], an FP8 weight [n, k] whose column 0 sits ``offset`` into its 128-block (a column shard),
+    random block scales, and the weight dequantized in fp32 (the torch form it stands for)."""
+    import torch
+
+    from graphcp.models import fp8
+    gen = torch.Generator().manual_seed(seed)
+    block = (128, 128)
+    q = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(fp8.FP8)
+    grid = (-(-n // block[0]), -(-(k + offset) // block[1]))
+    scale = torch.rand(grid, generator=gen) * 1e-3 + 5e-4
+    rows = (torch.arange(n) // block[0]).to(torch.int32)
+    dense = q.float() * scale[rows.long()][:, (torch.arange(k) + offset) // block[1]]
+    x = (torch.randn(m, k, generator=gen) * (torch.rand(m, 1, generator=gen) * 4 + 0.1)).to(dtype)
+    dev = torch.device(device)
+    w = fp8.Fp8Weight(q.to(dev), scale.to(dev), rows.to(dev), offset, block)
+    return x.to(dev), w, dense.to(dev)
+
+
+def part_e(rep: Report) -> str:
+    import torch
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec(FP8_GEMM_MODULE) is None:
+        if rep.dry_run:
+            raise SkipPart("triton or the FP8 GEMM is not installed")
+        raise RuntimeError("cannot test the FP8 GEMM: triton or graphcp.models.triton_fp8_gemm is missing")
+    from graphcp.models.fp8 import fp8_linear_torch
+    from graphcp.models.triton_fp8_gemm import triton_fp8_linear
+    device = "cpu" if rep.dry_run else "cuda"
+    if not rep.dry_run and torch.cuda.get_device_capability() < (8, 9):
+        raise SkipPart("no FP8 tensor cores (compute capability < 8.9): graphcp dequantizes FP8 at load here")
+    dtype = torch.float32 if rep.dry_run else torch.bfloat16
+    # Against the torch form (same activation quantization): summation order, and the output's rounding.
+    tol_form = 1e-5 if rep.dry_run else 1e-2
+    # Against the dequantized product: e4m3 activations carry 3 mantissa bits (each element within 2^-4 of
+    # itself); over a K-long sum that averages to a few percent of the output (2-3% measured on random data).
+    tol_dense = 5e-2
+    cases = ([(5, 192, 256, 0), (33, 192, 256, 80)] if rep.dry_run else
+             [(512, 11264, 2048, 0), (2048, 2048, 5632, 0), (333, 1000, 1000, 80)])
+    for i, (m, n, k, offset) in enumerate(cases):
+        x, w, dense = _fp8_case(m, n, k, offset, dtype, device, seed=300 + i)
+        got = triton_fp8_linear(x, w)
+        form = fp8_linear_torch(x, w)
+        exact = x.float() @ dense.t()
+        name = f"fp8 gemm {m}x{n}x{k}" + (f" (K grid offset {offset})" if offset else "")
+        rep.check("e", f"{name} vs torch form", "max rel err", _rel_err(got, form), tol_form)
+        rep.check("e", f"{name} vs dequantized", "max rel err", _rel_err(got, exact), tol_dense)
+        del x, w, dense, got, form, exact
+    if rep.dry_run:
+        return ""
+    notes = []
+    for m in (512, 2048, 8192):
+        for label, n, k in (("gate_up", 11264, 2048), ("down", 2048, 5632)):
+            if rep.left() < 30:
+                notes.append("timings stopped for the time budget")
+                return "; ".join(notes)
+            x, w, dense = _fp8_case(m, n, k, 0, dtype, device, seed=m + n)
+            w_bf16 = dense.to(torch.bfloat16)
+            flops = 2 * m * n * k
+            fp8_ms = _cuda_ms(lambda: triton_fp8_linear(x, w), 3, 10)
+            bf16_ms = _cuda_ms(lambda: torch.matmul(x, w_bf16.t()), 3, 10)
+            row = {"shape": f"{label} {m}x{n}x{k}", "m": m, "fp8_ms": fp8_ms, "fp8_tflops": flops / fp8_ms / 1e9,
+                   "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9}
+            rep.fp8_perf.append(row)
+            print(f"   {row['shape']}: fp8 {fp8_ms:.3f} ms = {row['fp8_tflops']:.0f} TFLOP/s, bf16 matmul "
+                  f"{bf16_ms:.3f} ms = {row['bf16_tflops']:.0f} TFLOP/s", flush=True)
+    return "; ".join(notes)
+
+
 # -- aims and main --------------------------------------------------------------------------------------
 def add_aims(rep: Report) -> None:
     rows = {t["shape"]: t for t in rep.timings}
@@ -632,6 +712,9 @@ def add_aims(rep: Report) -> None:
             perf[0]["pct_peak"] if perf else None, 40.0, "%")
     for shape, _, _ in _shapes(rep):
         rep.aim(f"graphcp eager >= HF speed at {shape}", rows.get(shape, {}).get("eager_vs_hf"), 1.0, "x")
+    big = [f["fp8_tflops"] / f["bf16_tflops"] for f in rep.fp8_perf if f["m"] == 8192]
+    rep.aim("fp8 GEMM >= 1.3x bf16 torch.matmul at M=8192 (1B FFN shapes, worst)", min(big) if big else None,
+            1.3, "x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -641,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="keep the generated checkpoint here (reused by a rerun); "
                         "default: a temporary directory removed at the end")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting work after this many seconds")
-    parser.add_argument("--parts", default="abcd", help="subset of parts to run, e.g. 'ac'")
+    parser.add_argument("--parts", default="abcde", help="subset of parts to run, e.g. 'ac'")
     ns = parser.parse_args(argv)
     if ns.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"          # before anything imports triton
@@ -671,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
                          min_left_s=5 if ns.dry_run else 90)
         if "b" in ns.parts:
             rep.run_part("b", "attention TFLOP/s (triton)", part_b, needs_cuda=True, min_left_s=60)
+        if "e" in ns.parts:
+            rep.run_part("e", "FP8 block-scaled GEMM (triton) vs torch, TFLOP/s", part_e, needs_cuda=False,
+                         min_left_s=5 if ns.dry_run else 60)
         if "c" in ns.parts:
             rep.run_part("c", ("demo-size Qwen3" if ns.dry_run else "1B Llama") + ": graph vs eager vs HF",
                          lambda r: part_c(r, state), needs_cuda=False,

@@ -66,7 +66,7 @@ def test_pickle_checkpoint_is_refused(checkpoint, tmp_path):
 @pytest.mark.parametrize("damage,match", [
     ("huge_vocab", "vocab_size"), ("huge_layers", "num_hidden_layers"), ("huge_hidden", "hidden_size"),
     ("shape", "shape"), ("missing", "lacks"), ("nan", "NaN"),
-    ("arch", "not supported"), ("extra", "does not use"), ("quantized", "quantized checkpoints.*fp8"),
+    ("arch", "not supported"), ("extra", "does not use"), ("quantized", "quant_method 'awq'"),
 ])
 def test_hostile_checkpoints(checkpoint, tmp_path, damage, match):
     from graphcp import Engine
@@ -89,7 +89,7 @@ def test_hostile_checkpoints(checkpoint, tmp_path, damage, match):
     elif damage == "arch":
         cfg["architectures"] = ["GPT2LMHeadModel"]
     elif damage == "quantized":
-        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     elif damage == "extra":
         weights["model.layers.0.self_attn.secret"] = torch.zeros(2)
     json.dump(cfg, open(cfg_path, "w"))

@@ -41,6 +41,8 @@ class ModelConfig:
     o_bias: bool = False         # o_proj bias (Llama and Qwen3 with attention_bias)
     mlp_bias: bool = False       # gate/up/down biases (Llama's mlp_bias)
     sliding_window: int | None = None   # set when some layer attends through a window (graphcp caps the context)
+    fp8_block: tuple[int, int] | None = None   # FP8 checkpoint: weight_block_size (output rows, input columns)
+    fp8_skip: tuple[str, ...] = ()              # FP8 checkpoint: modules left unquantized (modules_to_not_convert)
 
     @property
     def q_size(self) -> int:
@@ -87,11 +89,7 @@ def read_model_config(model_path: str) -> ModelConfig:
     if rope_type not in ("default", "linear", "llama3"):
         raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
     scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ConfigError(f"--model-path: quantized checkpoints are not supported (quantization_config: {method}); "
-                          "use the unquantized bf16/fp16 checkpoint")
+    fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     # As transformers builds them: Llama and Qwen3 put attention_bias on q/k/v/o, Qwen2 always biases q/k/v
@@ -109,6 +107,7 @@ def read_model_config(model_path: str) -> ModelConfig:
         o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
+        fp8_block=fp8_block, fp8_skip=fp8_skip,
     )
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
@@ -131,3 +130,30 @@ def _sliding_window(raw: dict, arch: str, num_layers: int) -> int | None:
     if raw.get("use_sliding_window") and raw.get("max_window_layers", num_layers) < num_layers:
         return window
     return None
+
+
+def _fp8_quantization(quant: object) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
+    """(weight_block_size, modules left unquantized) of a DeepSeek/Qwen-style FP8 checkpoint, or (None, ())
+    without quantization. Every other method is refused: graphcp has no kernels for it."""
+    if not quant:
+        return None, ()
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+    if method != "fp8" or not isinstance(quant, dict):
+        raise ConfigError(f"--model-path: quantized checkpoints other than fp8 are not supported "
+                          f"(quantization_config quant_method {method!r}); use the unquantized bf16/fp16 "
+                          "checkpoint or its block-quantized fp8 version")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"--model-path: fp8 activation_scheme {scheme!r} is not supported (dynamic: "
+                          "activations are quantized per token group at run time)")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"--model-path: fp8 fmt {quant.get('fmt')!r} is not supported (e4m3)")
+    block = quant.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and 1 <= b <= 4096 for b in block)):
+        raise ConfigError(f"--model-path: fp8 weight_block_size {block!r} must be two block sizes "
+                          "(e.g. [128, 128]); per-tensor fp8 scales are not supported")
+    skip = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
+    if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+        raise ConfigError(f"--model-path: fp8 modules_to_not_convert {skip!r} must be a list of module names")
+    return (block[0], block[1]), tuple(skip)

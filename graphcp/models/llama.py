@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from graphcp.forward_context import current_attention, current_communicator
+from graphcp.models import fp8
 from graphcp.models.config import ModelConfig
 from graphcp.models.layers import RMSNorm, RotaryEmbedding
 from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo, VocabEmbedding, vocab_logits
@@ -18,6 +19,8 @@ from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo, VocabEmbedd
 
 def _fuse(linears: tuple[nn.Linear, ...]) -> tuple:
     """Concatenate the output rows of ``linears``; each keeps its parameter as a view (no extra memory)."""
+    if fp8.is_fp8(linears[0]):                       # FP8 kept for the GEMM: weights and block scales
+        return fp8.fuse(linears)
     weight = torch.cat([m.weight.data for m in linears])
     bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
     sizes, start = [], 0
@@ -35,7 +38,7 @@ def _fused_linear(x: torch.Tensor, fused: tuple | None) -> tuple[torch.Tensor, .
     if fused is None:
         raise RuntimeError("projections are not fused: call CausalLM.fuse_projections() after loading weights")
     weight, bias, sizes = fused
-    return nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
+    return fp8.linear(x, weight, bias).split(sizes, dim=-1)      # F.linear, or the FP8 GEMM
 
 
 class SelfAttention(nn.Module):

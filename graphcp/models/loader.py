@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from graphcp.errors import ConfigError
+from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.llama import CausalLM
 from graphcp.models.parallel import TPInfo
@@ -40,32 +41,55 @@ def _weight_files(model_path: str) -> dict[str, str]:
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
-               layers: range | None = None, ffn_tp: TPInfo | None = None) -> CausalLM:
+               layers: range | None = None, ffn_tp: TPInfo | None = None, keep_fp8: bool | None = None) -> CausalLM:
+    """``keep_fp8`` (FP8 checkpoints): hold FP8 weights for the block-scaled GEMM instead of dequantizing
+    them at load; None = where that GEMM runs (``fp8.gemm_available``)."""
     cfg = read_model_config(model_path)
     files = _weight_files(model_path)
     with torch.device("meta"):
         full = CausalLM(cfg)
         model = CausalLM(cfg, tp, layers, ffn_tp)
-    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files)
+    quantized = set(fp8.quantized_names(full, cfg))
+    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files, quantized)
     model = model.to_empty(device=device).to(dtype)
-    params = model.state_dict()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
+    if keep_fp8 is None:
+        keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
+    if quantized and keep_fp8:
+        shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
+    reader = _Reader(files)
     with torch.no_grad():
-        for name, param in params.items():
+        for name, param in model.state_dict().items():
             source = model.source_name(name)
-            with safe_open(files[source], framework="pt") as f:
-                tensor = _read(f.get_slice(source), shards.get(name))
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            if source in quantized and not keep_fp8:
+                tensor = fp8.read_dequantized(reader.read, source, shards.get(name), cfg.fp8_block)
+            else:
+                tensor = reader.read(source, shards.get(name))
+            finite = tensor.float() if tensor.dtype == fp8.FP8 else tensor
+            if tensor.is_floating_point() and not torch.isfinite(finite).all():
                 raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
             param.copy_(tensor)
+    if quantized and keep_fp8:
+        fp8.attach(model, cfg.fp8_block)
     model.fuse_projections()
     model.rotary.build(device)
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+class _Reader:
+    """Slices of checkpoint tensors by name (``fp8.read_dequantized`` reads a weight and its scales here)."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+
+    def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+        with safe_open(self.files[name], framework="pt") as f:
+            return _read(f.get_slice(name), shard)
 
 
 def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001
@@ -75,24 +99,31 @@ def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # 
     return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
 
 
-def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files: dict[str, str]) -> None:
+def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files: dict[str, str],
+                            quantized: set[str]) -> None:
+    scales = {fp8.scale_name(n): fp8.scale_grid(expected[n], cfg.fp8_block) for n in quantized}
+    expected = {**expected, **scales}
     missing = [n for n in expected if n not in files]
     if missing:
-        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        hint = " (quantization_config fp8 needs one per projection weight)" if missing[0] in scales else ""
+        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}{hint}")
     unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
                           f"e.g. {unexpected[0]!r}")
     handles: dict[str, object] = {}
+    scale_names = set(scales)
     try:
         for name, shape in expected.items():
             path = files[name]
             if path not in handles:
                 handles[path] = safe_open(path, framework="pt").__enter__()
-            got = tuple(handles[path].get_slice(name).get_shape())
+            tensor = handles[path].get_slice(name)
+            got = tuple(tensor.get_shape())
             if got != shape:
                 raise ConfigError(f"--model-path: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
+            fp8.check_dtype(name, tensor.get_dtype(), quantized, scale_names)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

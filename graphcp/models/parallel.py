@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from graphcp.dist.comm import all_gather_into, all_reduce
+from graphcp.models.fp8 import linear
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,10 @@ class RowLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        weight = getattr(self, "fp8", None) or self.weight      # FP8 checkpoints on CUDA: the FP8 GEMM
         if reduce and self.tp.size == 1:
-            return super().forward(x)                    # one GEMM with the bias, as an unsplit Linear
-        y = nn.functional.linear(x, self.weight)
+            return linear(x, weight, self.bias)          # one GEMM with the bias, as an unsplit Linear
+        y = linear(x, weight)
         return self.reduce(y) if reduce else y
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:

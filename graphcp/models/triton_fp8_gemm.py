@@ -1,0 +1,198 @@
+"""Block-scaled FP8 GEMM in Triton (CUDA; Triton's interpreter in the tests): y = x @ dequant(w).T.
+
+Two launches: activations are quantized per token and group of ``block_k`` columns (1 x 128 in the
+real format, scale = amax / 448) on the weight's K-block grid, once per element; the GEMM then
+multiplies FP8 tiles on the tensor cores, one K tile per weight block, and scales each tile's fp32
+partial sum by the token-group scale and the weight-block scale before accumulating in fp32 (as
+DeepSeek's kernels do). Output in the activation dtype. Matches ``fp8.fp8_linear_torch`` up to fp32
+summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphcp.models.fp8 import FP8, FP8_MAX, Fp8Weight
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even), still fp32.
+    The cast that follows is then exact: Triton's interpreter rounds fp32 -> fp8 wrongly when the
+    mantissa carries."""
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(
+        tl.float32, bitcast=True
+    )  # keep 3 mantissa bits
+    y = tl.abs(v) * 512.0  # subnormals: multiples of 2^-9
+    whole = tl.floor(y)
+    frac = y - whole
+    odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
+    sub = tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole) * 0.001953125
+    sub = tl.where(v < 0, -sub, sub)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _act_quant_kernel(
+    X,
+    XQ,
+    XS,
+    M,
+    K,
+    k_offset,
+    stride_x,
+    stride_xq,
+    stride_xs,
+    fp8_max,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    rk = tl.arange(0, BLOCK_K)
+    cols = kb * BLOCK_K - k_offset + rk  # the group's columns of x (grid shifted by k_offset)
+    row_ok = rows < M
+    ok = row_ok[:, None] & ((cols >= 0) & (cols < K))[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / fp8_max
+    q = _round_e4m3(x / scale[:, None])
+    tl.store(
+        XQ + rows64[:, None] * stride_xq + (kb * BLOCK_K + rk)[None, :],
+        q.to(XQ.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(XS + kb * stride_xs + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    XQ,
+    XS,
+    W,
+    WS,
+    WROWS,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    k_offset,
+    num_kb,
+    stride_xq,
+    stride_xs,
+    stride_w,
+    stride_ws,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    w_rows = tl.load(WROWS + rn, mask=n_ok, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(num_kb):
+        x = tl.load(
+            XQ + rm64[:, None] * stride_xq + (kb * BLOCK_K + rk)[None, :],
+            mask=m_ok[:, None],
+            other=0.0,
+        )
+        cols = kb * BLOCK_K - k_offset + rk
+        w_ok = n_ok[None, :] & ((cols >= 0) & (cols < K))[:, None]
+        w = tl.load(W + rn64[None, :] * stride_w + cols[:, None], mask=w_ok, other=0.0)
+        x_scale = tl.load(XS + kb * stride_xs + rm, mask=m_ok, other=0.0)
+        w_scale = tl.load(WS + w_rows * stride_ws + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        Y + rm64[:, None] * stride_y + rn[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def quantize_activations_triton(
+    x: torch.Tensor, block_k: int, k_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton form of ``fp8.quantize_activations``; scales come back [K blocks, M] (the GEMM
+    reads a column of M rows per tile)."""
+    m, k = x.shape
+    blocks = triton.cdiv(k + k_offset, block_k)
+    xq = torch.empty(m, blocks * block_k, dtype=FP8, device=x.device)
+    xs = torch.empty(blocks, m, dtype=torch.float32, device=x.device)
+    if m:
+        block_m = 16 if block_k >= 128 else 32
+        _act_quant_kernel[(triton.cdiv(m, block_m), blocks)](
+            x,
+            xq,
+            xs,
+            m,
+            k,
+            k_offset,
+            x.stride(0),
+            xq.stride(0),
+            xs.stride(0),
+            FP8_MAX,
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            num_warps=4,
+        )
+    return xq, xs
+
+
+def triton_fp8_linear(
+    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ the FP8 weight [N, K] with its block scales -> [..., N] in x's
+    dtype."""
+    n, k = w.weight.shape
+    block_k = w.block[1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        xq, xs = quantize_activations_triton(x2, block_k, w.k_offset)
+        block_m = 64 if m <= 64 else 128
+        block_n = 128
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        _fp8_gemm_kernel[grid](
+            xq,
+            xs,
+            w.weight,
+            w.scale,
+            w.scale_rows,
+            bias if bias is not None else y,
+            y,
+            m,
+            n,
+            k,
+            w.k_offset,
+            xs.shape[0],
+            xq.stride(0),
+            xs.stride(0),
+            w.weight.stride(0),
+            w.scale.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=4 if block_m == 64 else 8,
+            num_stages=3,
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+__all__ = ["triton_fp8_linear", "quantize_activations_triton"]

@@ -1,0 +1,69 @@
+"""The tests' own FP8 quantizer: block-quantized checkpoints (DeepSeek/Qwen format) made from the
+tiny random HF ones, and their exactly dequantized twins, which HF transformers runs as the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8_MAX = 448.0
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn weight and float32 scale_inv per (rows x cols) block: amax / 448; edge blocks
+    partial."""
+    (n, k), (bo, bi) = w.shape, block
+    rows, cols = -(-n // bo), -(-k // bi)
+    padded = torch.zeros(rows * bo, cols * bi)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(rows, bo, cols, bi)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(rows * bo, cols * bi)
+    return q[:n, :k].contiguous(), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    n, k = q.shape
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * full[:n, :k]
+
+
+def make_fp8_checkpoint(
+    src: str,
+    dst: str,
+    dst_dequantized: str,
+    block: tuple[int, int],
+    skip: tuple[str, ...] = ("lm_head",),
+) -> tuple[str, str]:
+    """Quantize every ``*_proj.weight`` of ``src`` not in ``skip`` (module names); write the FP8
+    checkpoint (with its quantization_config) and the dequantized float32 one (the plain config)."""
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, w in weights.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith("_proj.weight") and module not in skip:
+            q, s = quantize_blocks(w, block)
+            quantized[name], quantized[name + "_scale_inv"] = q, s
+            dequantized[name] = dequantize_blocks(q, s, block)
+        else:
+            quantized[name] = dequantized[name] = w
+    for path, tensors in ((dst, quantized), (dst_dequantized, dequantized)):
+        shutil.copytree(src, path)
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": list(skip),
+    }
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return dst, dst_dequantized
