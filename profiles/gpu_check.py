@@ -13,6 +13,12 @@ Parts (each guarded: a failure is recorded as FAILED and the rest still runs):
   d. CP=2 zigzag as two processes sharing the GPU (gloo), graph mode, against the CP=1 logits.
   e. The block-scaled FP8 GEMM (Triton) against its torch form and the dequantized product, and its TFLOP/s
      at the 1B model's FFN shapes next to bf16 torch.matmul.
+  f. Capture on a dirty pool (a subprocess): a large block is filled with a non-zero pattern and freed, then
+     an engine with the torch attention kernel (a graph break that reads lengths on the host) captures its
+     buckets; every batch must replay as a graph and equal eager.
+
+Every graph-vs-eager check also requires that the batch really replayed as a graph (a bucket that failed
+capture would compare eager with eager); capture failures are recorded in the report.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` and prints the tables. Exit code 1 when a part
 failed or a correctness check is out of tolerance; performance aims are reported (met / not met) only.
@@ -31,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -518,6 +525,7 @@ def part_c(rep: Report, state: dict) -> str:
         rep.info["engine_start_s"] = round(time.monotonic() - t, 1)
         rep.info["graph_buckets"] = engine.stats()["graph_buckets"]
         rep.info["attention_kernel"] = engine.stats()["attention_kernel"]
+        rep.info["capture_failures"] = engine.stats()["capture_failures"]
         for i, (shape, n, length) in enumerate(_shapes(rep)):
             if rep.left() < (5 if rep.dry_run else 45):
                 notes.append(f"stopped at {shape} for the time budget")
@@ -528,6 +536,7 @@ def part_c(rep: Report, state: dict) -> str:
             state.setdefault("cp1_logits", {})[shape] = g.logits
             rep.check("c", f"graph vs eager logits {shape}", "max rel err", _rel_err(g.logits, e.logits), tol,
                       mode=g.mode, bucket=g.graph_bucket)
+            _require_graph(rep, "c", shape, g)
             row = {"shape": shape, "mode": g.mode, "bucket": g.graph_bucket, "eager_reason": g.eager_reason}
             row["eager_ms"] = _time_prefill(engine, batch, True, reps)
             row["graph_ms"] = _time_prefill(engine, batch, False, reps)
@@ -622,6 +631,7 @@ def part_d(rep: Report, state: dict) -> str:
             err = _rel_err(out.logits, cp1[shape])
             rep.check("d", f"CP=2 zigzag vs CP=1 logits {shape}", "max rel err", err, tol, mode=out.mode,
                       bucket=out.graph_bucket)
+            _require_graph(rep, "d", shape, out)
             row = {"shape": shape, "mode": out.mode, "bucket": out.graph_bucket, "per_rank_tokens": out.per_rank_tokens,
                    "rel_err": err, "eager_reason": out.eager_reason}
             if rep.left() > (5 if rep.dry_run else 30):
@@ -702,6 +712,68 @@ def part_e(rep: Report) -> str:
     return "; ".join(notes)
 
 
+def _require_graph(rep: Report, part: str, shape: str, out) -> None:  # noqa: ANN001
+    """A check of graphs is void unless the batch replayed as one."""
+    rep.check(part, f"replayed as a graph {shape}", "not graph (1) / graph (0)", float(out.mode != "graph"), 0.0,
+              mode=out.mode, reason=out.eager_reason)
+
+
+# -- part f: capture on a dirty pool, in a subprocess ---------------------------------------------------
+def part_f(rep: Report, state: dict) -> str:
+    import subprocess
+
+    from graphcp.models.random_checkpoint import DEMO_QWEN3, make_random_checkpoint
+    path = make_random_checkpoint(os.path.join(state["workdir"], "demo-qwen3"), DEMO_QWEN3)   # small: quick
+    cmd = [sys.executable, os.path.abspath(__file__), "--dirty-pool-child", path] + (["--dry-run"] if rep.dry_run else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, rep.left()))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"dirty-pool child exited {proc.returncode}: {proc.stderr[-1500:]}")
+    result = json.loads(lines[-1])
+    rep.info["dirty_pool"] = result
+    for row in result["batches"]:
+        rep.check("f", f"dirty pool, torch kernel: graph vs eager {row['shape']}", "max rel err", row["rel_err"],
+                  1e-4 if rep.dry_run else 2e-2, mode=row["mode"], bucket=row["bucket"])
+        _require_graph(rep, "f", row["shape"], types.SimpleNamespace(mode=row["mode"], eager_reason=row["reason"]))
+    return f"{result['dirty_bytes'] / 2**30:.1f} GiB dirtied; capture failures: {result['capture_failures'] or 'none'}"
+
+
+def dirty_pool_child(path: str, dry_run: bool) -> int:
+    """Fill and free a large block with a non-zero pattern (CUDA does not zero reused memory), then
+    capture with the torch kernel, whose break reads host lengths computed by the captured segment."""
+    import torch
+
+    from graphcp import Engine, EngineArgs, Request
+    from graphcp.models import read_model_config
+    dirty = 0
+    if not dry_run:
+        free = torch.cuda.mem_get_info()[0]
+        block = torch.empty(min(free // 4, 16 << 30), dtype=torch.uint8, device="cuda").fill_(0x7F)
+        dirty = block.numel()
+        del block
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    kw = dict(device="cpu", max_total_tokens=4096) if dry_run else dict(device="cuda", max_total_tokens=65536)
+    args = EngineArgs(model_path=path, attention_kernel="torch", cuda_graph_buckets=(16, 64, 128), **kw)
+    vocab = read_model_config(path).vocab_size
+    rows = []
+    with Engine(args) as engine:
+        failures = engine.stats()["capture_failures"]
+        for i, (n, length) in enumerate([(1, 12), (2, 40), (4, 30)]):
+            batch = [Request(f"f{i}-{j}", [(7 * j + 3 * t + i) % vocab for t in range(length)]) for j in range(n)]
+            g = engine.prefill(batch)
+            for r in batch:
+                engine.release(r.rid)
+            e = engine.prefill(batch, force_eager=True)
+            for r in batch:
+                engine.release(r.rid)
+            rows.append({"shape": f"{n}x{length}", "mode": g.mode, "bucket": g.graph_bucket,
+                         "reason": g.eager_reason, "rel_err": _rel_err(g.logits, e.logits)})
+    print(json.dumps({"dirty_bytes": dirty, "capture_failures": {str(k): v for k, v in failures.items()},
+                      "batches": rows}), flush=True)
+    return 0
+
+
 # -- aims and main --------------------------------------------------------------------------------------
 def add_aims(rep: Report) -> None:
     rows = {t["shape"]: t for t in rep.timings}
@@ -724,10 +796,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="keep the generated checkpoint here (reused by a rerun); "
                         "default: a temporary directory removed at the end")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting work after this many seconds")
-    parser.add_argument("--parts", default="abcde", help="subset of parts to run, e.g. 'ac'")
+    parser.add_argument("--parts", default="abcdef", help="subset of parts to run, e.g. 'ac'")
+    parser.add_argument("--dirty-pool-child", default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"          # before anything imports triton
+    if ns.dirty_pool_child:
+        return dirty_pool_child(ns.dirty_pool_child, ns.dry_run)
     import torch
     rep = Report(ns.dry_run, ns.budget_s or (DRY_BUDGET_S if ns.dry_run else GPU_BUDGET_S))
     if ns.dry_run:
@@ -764,6 +839,9 @@ def main(argv: list[str] | None = None) -> int:
         if "d" in ns.parts:
             rep.run_part("d", "CP=2 zigzag on one device vs CP=1", lambda r: part_d(r, state), needs_cuda=False,
                          min_left_s=15 if ns.dry_run else 75)
+        if "f" in ns.parts:
+            rep.run_part("f", "capture on a dirty pool (torch kernel, subprocess)", lambda r: part_f(r, state),
+                         needs_cuda=False, min_left_s=15 if ns.dry_run else 50)
     finally:
         cleanup()
     return _finish(rep, ns.out)

@@ -61,7 +61,9 @@ class PageTable:
         added = []
         for rid, n in zip(rids, extend_lens):
             state = self.requests.setdefault(rid, RequestKV())
-            new = [self.free_pages.pop() for _ in range(self.pages_needed(rid, n))]
+            k = self.pages_needed(rid, n)
+            new = self.free_pages[len(self.free_pages) - k:][::-1]   # what k pops would give, in one slice
+            del self.free_pages[len(self.free_pages) - k:]
             state.pages.extend(new)
             added.append(new)
         return added

@@ -125,6 +125,11 @@ def run(argv: list[str]) -> int:
                 "balance": {s: attention_balance(s, balance_cp, [length] * n) for s in ("zigzag", "interleave")}})
     report = _report(results, balance_cp)
     print(report["table"])
+    from graphcp.tools.host_prep import measure_host_prep
+    prep = report["host_prep"] = measure_host_prep()
+    print(f"host prep per batch ({prep['case']}, planner + descriptor fill, no ranks): "
+          f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists")
+    report["host_prep_us"] = prep["host_prep_us"]
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump({k: v for k, v in report.items() if k != "table"} | {"config": args.to_dict()}, f, indent=2)
