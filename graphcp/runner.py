@@ -18,7 +18,8 @@ from graphcp.batch import PrefillOutput, Request, validate_requests
 from graphcp.config import EngineArgs
 from graphcp.cp.strategy import ContextParallelStrategy, InterleaveStrategy, make_strategy, unsharded
 from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce, recv, send
-from graphcp.dist.topology import Groups, build_groups, rank_info
+from graphcp.dist.moe_comm import moe_communicator
+from graphcp.dist.topology import Groups, build_groups, expert_place, rank_info
 from graphcp.errors import ConfigError, RequestError
 from graphcp.models.parallel import TPInfo, shard_range
 from graphcp.forward_context import forward_context
@@ -28,6 +29,8 @@ from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner, config_ineligibil
 from graphcp.kv.cache import KVPool
 from graphcp.kv.pages import PageTable
 from graphcp.models import load_model, read_model_config
+from graphcp.models.config import check_expert_parallel
+from graphcp.models.moe import EPInfo
 from graphcp.profiling import nvtx_range
 
 log = logging.getLogger("graphcp")
@@ -89,7 +92,13 @@ class ModelRunner:
         self.layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, self.me.pp_rank))
         self.first_stage, self.last_stage = self.me.pp_rank == 0, self.me.pp_rank == args.pp_size - 1
 
-        self.model = load_model(args.model_path, self.dtype, self.device, self.tp, self.layers, ffn_tp)
+        # MoE (graphcp/dist/moe_comm.py): experts split over EP ranks of the TP world, each over expert TP.
+        check_expert_parallel(cfg, args.ep_size)
+        ep_rank, expert_tp_rank = expert_place(args, rank)
+        self.ep = EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank)
+        self.moe_comm = moe_communicator(args, cfg.num_experts, groups, tp_rank, self.me.attn_tp_rank) \
+            if cfg.moe_layers else None
+        self.model = load_model(args.model_path, self.dtype, self.device, self.tp, self.layers, ffn_tp, self.ep)
         tokens = _kv_tokens(args, cfg, self.dtype, self.device, len(self.layers))
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = min(cfg.max_position_embeddings, tokens)
@@ -152,7 +161,7 @@ class ModelRunner:
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, self.kernel_capturable, self.host,
                                    split_early_late=self.backend == "flashattention" and strategy.name == "zigzag",
                                    scale=self.scale)
-        with forward_context(attention, self.communicator):
+        with forward_context(attention, self.communicator, self.moe_comm, meta.valid):
             if self.first_stage:
                 hidden = self.model(local_ids, meta.positions)
             else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
@@ -245,7 +254,7 @@ class ModelRunner:
         try:
             with nvtx_range("prefill"):
                 # A DP group without requests still joins the FFN collectives when there are any.
-                run = plan.rids or self.communicator is not None
+                run = plan.rids or self.communicator is not None or self.moe_comm is not None
                 logits, host_ops = self._run(plan, count_host_ops) if run else (None, 0)
             if logits is not None:
                 logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.llama import CausalLM
+from graphcp.models.moe import EPInfo, Experts
 from graphcp.models.parallel import TPInfo
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,32 +41,49 @@ def _weight_files(model_path: str) -> dict[str, str]:
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
-               layers: range | None = None, ffn_tp: TPInfo | None = None) -> CausalLM:
+               layers: range | None = None, ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> CausalLM:
     cfg = read_model_config(model_path)
     files = _weight_files(model_path)
     with torch.device("meta"):
         full = CausalLM(cfg)
-        model = CausalLM(cfg, tp, layers, ffn_tp)
-    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files)
+        model = CausalLM(cfg, tp, layers, ffn_tp, ep)
+    expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
+    for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
+        del expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"]
+        expected.update(experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size))
+    _check_names_and_shapes(cfg, expected, files)
     model = model.to_empty(device=device).to(dtype)
     params = model.state_dict()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
+    expert_params = {f"{prefix}.{p}" for prefix, _ in _experts(model) for p in ("gate_up_proj", "down_proj")}
     with torch.no_grad():
         for name, param in params.items():
+            if name in expert_params:
+                continue
             source = model.source_name(name)
-            with safe_open(files[source], framework="pt") as f:
-                tensor = _read(f.get_slice(source), shards.get(name))
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
-            param.copy_(tensor)
+            param.copy_(_read_checked(files, source, lambda s: _read(s, shards.get(name))))
+    for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
+        experts.load(prefix, set(files), lambda source, index: _read_checked(files, source, lambda s: s[index]))
     model.fuse_projections()
     model.rotary.build(device)
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def _experts(model: CausalLM) -> list[tuple[str, Experts]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def _read_checked(files: dict[str, str], source: str, take) -> torch.Tensor:  # noqa: ANN001
+    with safe_open(files[source], framework="pt") as f:
+        tensor = take(f.get_slice(source))
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
+    return tensor
 
 
 def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001

@@ -1,0 +1,129 @@
+"""MoE token flows (SPEC section 10): how each rank's CP-local rows meet experts spread over the TP world.
+
+Experts are split over ``ep`` ranks (rank ``tp_rank // expert_tp`` of the TP world owns experts
+``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``), each split over ``expert_tp = tp / ep`` ranks along the
+intermediate dimension. Two flows:
+
+- ``none``: all-gather every rank's rows over the TP world, run the local experts (and expert-TP slice) on all
+  of them, reduce-scatter the partial sums back to each rank's own rows. Same collectives as the dense FFN's
+  layer communicator; on NCCL they and the Triton expert kernel are captured in the graph.
+- ``all_to_all``: each rank routes its own real rows (padding rows are never sent), sends each (row, expert)
+  pair to the ranks holding that expert with one all-to-all (after exchanging per-destination counts), runs its
+  experts, and sends the outputs back with a second all-to-all; the sender applies the routing weights.
+  The split sizes are data-dependent and must be known on the host, so the exchange is a graph break on every
+  backend. On NCCL the alternative, a capturable fixed-capacity exchange, would have to size every
+  destination's buffer for the worst case (all of a rank's pairs to one rank: ``tp`` times the real bytes) or
+  drop tokens past a capacity factor, which changes results; graphcp keeps exact results and real byte counts
+  and pays one host sync per MoE layer, small next to a prefill's expert GEMMs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphcp.dist.comm import FFNCommunicator, all_gather_into
+from graphcp.forward_context import current_valid_rows
+from graphcp.graph.capture import graph_break
+from graphcp.profiling import nvtx_range
+
+
+class GatherScatterMoE:
+    """``--moe-a2a-backend none``: the dense FFN's gather / reduce-scatter around the local experts."""
+
+    def __init__(self, layout: FFNCommunicator) -> None:
+        self.layout = layout
+
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+        rows = x.shape[0]
+        everyone = self.layout.gather(x)
+        weights, ids = router(everyone)
+        return self.layout.scatter(experts(everyone, ids, weights), rows)
+
+
+class AllToAllMoE:
+    """``--moe-a2a-backend all_to_all``: dispatch and combine with two all-to-alls over the TP world.
+
+    Attention-TP peers hold the same rows; each dispatches an equal share of them and the peers all-gather
+    the combined rows afterwards, so no row is sent twice."""
+
+    def __init__(self, group: dist.ProcessGroup | None, tp_size: int, experts_per_rank: int, expert_tp: int,
+                 attn_tp_group: dist.ProcessGroup | None, attn_tp_size: int, attn_tp_rank: int) -> None:
+        self.group, self.tp_size = group, tp_size
+        self.experts_per_rank, self.expert_tp = experts_per_rank, expert_tp
+        self.attn_tp_group, self.attn_tp_size, self.attn_tp_rank = attn_tp_group, attn_tp_size, attn_tp_rank
+        self.pairs_sent = 0        # (row, expert) pairs this rank dispatched: real rows x top-k x expert TP
+        self.bytes_sent = 0        # activation bytes this rank sent in both all-to-alls (measured)
+
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+        rows, hidden = x.shape
+        valid = current_valid_rows()
+        valid = x.new_ones(rows, dtype=torch.long) if valid is None else valid
+        if self.attn_tp_size > 1:
+            share = -(-rows // self.attn_tp_size)
+            pad = share * self.attn_tp_size - rows
+            mine = slice(self.attn_tp_rank * share, (self.attn_tp_rank + 1) * share)
+            x = nn.functional.pad(x, (0, 0, 0, pad))[mine]
+            valid = nn.functional.pad(valid, (0, pad))[mine]
+        weights, ids = router(x)
+        out = x.new_empty(x.shape)
+        _dispatch_combine(self, out, x, ids, weights, valid, experts)
+        if self.attn_tp_size == 1:
+            return out
+        full = out.new_empty((self.attn_tp_size * out.shape[0], hidden))
+        all_gather_into(full, out, self.attn_tp_group)
+        return full[:rows]
+
+
+@graph_break
+def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor, valid: torch.Tensor, experts: Callable) -> torch.Tensor:
+    with nvtx_range("moe_all_to_all"):
+        k, etp = ids.shape[1], comm.expert_tp
+        real = torch.nonzero(valid).reshape(-1)
+        rows = real.repeat_interleave(k * etp)
+        expert = ids.index_select(0, real).reshape(-1).repeat_interleave(etp)
+        weight = weights.index_select(0, real).reshape(-1).repeat_interleave(etp)
+        dest = expert // comm.experts_per_rank * etp + torch.arange(etp, device=x.device).repeat(real.numel() * k)
+        order = torch.argsort(dest, stable=True)
+        rows, expert, weight, dest = rows[order], expert[order], weight[order], dest[order]
+        send_counts = torch.bincount(dest, minlength=comm.tp_size)
+        recv_counts = torch.empty_like(send_counts)
+        _all_to_all(recv_counts, send_counts, None, None, comm.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        send_x = x.index_select(0, rows)
+        recv_x = x.new_empty((sum(recv), x.shape[1]))
+        _all_to_all(recv_x, send_x, recv, send, comm.group)
+        recv_expert = expert.new_empty(sum(recv))
+        _all_to_all(recv_expert, expert, recv, send, comm.group)
+        y = experts(recv_x, recv_expert[:, None], recv_x.new_ones((recv_x.shape[0], 1)))
+        back = x.new_empty(send_x.shape)
+        _all_to_all(back, y, send, recv, comm.group)
+        comm.pairs_sent += rows.numel()
+        comm.bytes_sent += (send_x.numel() + y.numel()) * x.element_size() + expert.numel() * expert.element_size()
+        out.zero_()
+        return out.index_add_(0, rows, back * weight[:, None])
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                group: dist.ProcessGroup | None) -> None:
+    """all_to_all_single; under gloo, CUDA tensors travel through host memory."""
+    if out.is_cuda and dist.get_backend(group) != "nccl":
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(host, inp.cpu().contiguous(), out_splits, in_splits, group=group)
+        out.copy_(host)
+        return
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+
+
+def moe_communicator(args, num_experts: int, groups, tp_rank: int, attn_tp_rank: int):  # noqa: ANN001, ANN201
+    """The MoE token flow for this rank (None on a one-rank TP world: every expert is local)."""
+    if args.tp_size == 1:
+        return None
+    if args.moe_a2a_backend == "all_to_all":
+        return AllToAllMoE(groups.tp, args.tp_size, num_experts // args.ep_size, args.expert_tp_size,
+                           groups.attn_tp, args.attn_tp_size, attn_tp_rank)
+    atp = args.attn_tp_size
+    return GatherScatterMoE(FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp))
