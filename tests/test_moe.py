@@ -1,6 +1,6 @@
-"""Qwen3-MoE with expert parallelism under CP: equal to HF transformers on tiny random checkpoints, for both
-token flows (gather / reduce-scatter and all-to-all), in graph mode, and with each rank loading only its
-experts; the Triton grouped expert GEMM against the per-expert torch form in Triton's interpreter."""
+"""Qwen3-MoE with expert parallelism under CP: equal to HF transformers on tiny random checkpoints,
+for both token flows (gather / reduce-scatter and all-to-all), in graph mode, with each rank loading
+only its experts; the Triton grouped expert GEMM against the per-expert torch form (interpreter)."""
 from __future__ import annotations
 
 import json
@@ -17,31 +17,29 @@ from hf_reference import make_checkpoint, rel_err
 from parity import Session, random_ids
 
 VOCAB = 211
+FIRST = [("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2)),
+         ("c", random_ids(20, VOCAB, 3))]                                  # 66 tokens
+SECOND = [("b", random_ids(12, VOCAB, 4)), ("d", random_ids(30, VOCAB, 5))]  # 42 tokens
 CP2_EP2 = dict(tp_size=2, ep_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag",
                cuda_graph_buckets=[32, 64])
-TP4_EP4_CP2 = dict(tp_size=4, ep_size=4, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag",
-                   moe_a2a_backend="all_to_all")
+TP4_EP4_CP2 = dict(tp_size=4, ep_size=4, attn_cp_size=2, enable_prefill_cp=True,
+                   cp_strategy="zigzag", moe_a2a_backend="all_to_all")
 
 
 @pytest.fixture(scope="module")
 def moe6(ckpt_dir):
     """6 experts (3 per EP rank at ep 2), top-2 unnormalised, a dense middle layer."""
-    return make_checkpoint(str(ckpt_dir / "qwen3-moe-6"), "qwen3_moe", seed=11, num_hidden_layers=3,
-                           moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
-                           mlp_only_layers=[1])
+    return make_checkpoint(str(ckpt_dir / "qwen3-moe-6"), "qwen3_moe", seed=11,
+                           num_hidden_layers=3, moe_intermediate_size=48, num_experts=6,
+                           num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])
 
 
 @pytest.fixture(scope="module")
 def moe8(ckpt_dir):
     """8 experts, top-3 renormalised."""
-    return make_checkpoint(str(ckpt_dir / "qwen3-moe-8"), "qwen3_moe", seed=12, num_hidden_layers=2,
-                           moe_intermediate_size=40, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True)
-
-
-def _batches(s: Session) -> None:
-    """A mixed batch (zigzag padding rows on every rank), then a chunked second prefill of a rid plus a new one."""
-    s.run([("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2)), ("c", random_ids(20, VOCAB, 3))])
-    s.run([("b", random_ids(12, VOCAB, 4)), ("d", random_ids(30, VOCAB, 5))])
+    return make_checkpoint(str(ckpt_dir / "qwen3-moe-8"), "qwen3_moe", seed=12,
+                           num_hidden_layers=2, moe_intermediate_size=40, num_experts=8,
+                           num_experts_per_tok=3, norm_topk_prob=True)
 
 
 def test_moe_layers_as_hf_decides(tmp_path):
@@ -49,8 +47,9 @@ def test_moe_layers_as_hf_decides(tmp_path):
     import transformers
     for i, extra in enumerate([dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2),
                                dict(decoder_sparse_step=2, mlp_only_layers=[3])]):
-        cfg = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4,
+        cfg = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                                          num_hidden_layers=4, num_attention_heads=2,
+                                          num_key_value_heads=1, head_dim=8, num_experts=4,
                                           num_experts_per_tok=2, moe_intermediate_size=8, **extra)
         with torch.device("meta"):
             hf = transformers.Qwen3MoeForCausalLM(cfg)
@@ -76,18 +75,20 @@ def test_cp2_ep2_matches_hf_in_graphs(moe6, engines, oracle, backend):
     engine = engines.get(moe6, moe_a2a_backend=backend, **CP2_EP2)
     s = Session(engine, oracle, moe6)
     sent = engine.stats()["moe_pairs_sent_per_rank"]
-    out = s.run([("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2)), ("c", random_ids(20, VOCAB, 3))])
+    out = s.run(FIRST)
     assert out.mode == "graph" and out.cp_applied, out.eager_reason
     now = engine.stats()["moe_pairs_sent_per_rank"]
     if backend == "all_to_all":
-        # Only real rows are dispatched (the bucket holds 64 rows per rank, 33 of them real): every real
-        # token's top-2 pairs in each of the two MoE layers, split over the ranks that hold the tokens.
-        assert sum(now) - sum(sent) == 66 * 2 * 2 and all(n > s for n, s in zip(now, sent)), (sent, now)
+        # Only real rows are dispatched (the bucket holds 64 rows per rank, 33 of them real): each
+        # real token's top-2 pairs in each of the two MoE layers, from the rank holding the token.
+        assert sum(now) - sum(sent) == 66 * 2 * 2, (sent, now)
+        assert all(n > s for n, s in zip(now, sent)), (sent, now)
     else:
         assert now == sent == [0, 0]
-    out = s.run([("b", random_ids(12, VOCAB, 4)), ("d", random_ids(30, VOCAB, 5))])    # chunked + new
+    out = s.run(SECOND)                                                 # chunked + new
     assert out.mode == "graph"
-    eager = s.run([("d", random_ids(16, VOCAB, 7)), ("f", random_ids(25, VOCAB, 8))], force_eager=True)
+    eager = s.run([("d", random_ids(16, VOCAB, 7)), ("f", random_ids(25, VOCAB, 8))],
+                  force_eager=True)
     assert eager.mode == "eager"
     s.release_all()
     # Each rank holds 3 of the 6 experts (the dense layer's FFN is split over the TP world too).
@@ -107,19 +108,32 @@ def test_cp2_ep2_graph_equals_eager(moe6, engines):
     assert rel_err(graph[0].logits, eager[0].logits) <= 1e-6
 
 
+def test_expert_tp2_matches_hf(moe8, engines, oracle):
+    """--ep 1 at tp 2: every expert split over both ranks; each pair goes to both halves."""
+    engine = engines.get(moe8, tp_size=2, attn_cp_size=2, enable_prefill_cp=True,
+                         cp_strategy="zigzag", moe_a2a_backend="all_to_all",
+                         cuda_graph_buckets=[64])
+    s = Session(engine, oracle, moe8)
+    sent = sum(engine.stats()["moe_pairs_sent_per_rank"])
+    assert s.run(FIRST).mode == "graph"
+    assert sum(engine.stats()["moe_pairs_sent_per_rank"]) - sent == 66 * 3 * 2 * 2
+    s.release_all()
+
+
 def test_tp4_ep4_attention_tp2_matches_hf(moe8, engines, oracle):
     """Attention TP 2 inside CP 2; the all-to-all dispatches each attention-TP group's rows once."""
     engine = engines.get(moe8, **TP4_EP4_CP2)
     s = Session(engine, oracle, moe8)
     sent = sum(engine.stats()["moe_pairs_sent_per_rank"])
-    _batches(s)
+    s.run(FIRST)        # zigzag padding rows on every rank
+    s.run(SECOND)       # a chunked second prefill of "b", and a new rid
     assert sum(engine.stats()["moe_pairs_sent_per_rank"]) - sent == (66 + 42) * 3 * 2
     s.release_all()
 
 
 def test_each_rank_loads_only_its_experts(moe6):
-    """EP rank 1 of 2 holds experts 3..5; expert-TP rank 1 of 2 holds the upper half of each expert's
-    intermediate rows (gate and up) and columns (down)."""
+    """EP rank 1 of 2 holds experts 3..5; expert-TP rank 1 of 2 holds the upper half of each
+    expert's intermediate rows (gate and up) and columns (down)."""
     with safe_open(os.path.join(moe6, "model.safetensors"), framework="pt") as f:
         def tensor(e: int, proj: str) -> torch.Tensor:
             return f.get_tensor(f"model.layers.2.mlp.experts.{e}.{proj}.weight")
@@ -147,7 +161,7 @@ def test_triton_grouped_experts_match_torch_form():
     weights = torch.rand(rows, k, generator=g)
     gate_up = torch.randn(3, 2 * inter, hidden, generator=g) * 0.1
     down = torch.randn(3, hidden, inter, generator=g) * 0.1
-    for first in (0, 3):                  # this rank's experts are 0..2, then 3..5: other pairs add nothing
+    for first in (0, 3):        # this rank holds experts 0..2, then 3..5: other pairs add nothing
         got = triton_experts(x, ids, weights, gate_up, down, first)
         want = _experts_torch(torch.empty_like(x), x, ids, weights, gate_up, down, first)
         assert want.abs().max() > 0 and rel_err(got, want) <= 1e-5
@@ -171,3 +185,22 @@ def test_experts_not_divisible_by_ep(moe6, tmp_path):
     os.symlink(os.path.join(moe6, "model.safetensors"), tmp_path / "model.safetensors")
     with pytest.raises(ConfigError, match="--ep 2 must divide the model's num_experts=5"):
         Engine(EngineArgs(model_path=str(tmp_path), tp_size=2, ep_size=2, max_total_tokens=1024))
+
+
+def test_fused_expert_checkpoint_loads_the_same(moe6, tmp_path):
+    """transformers 5's in-memory layout (experts.gate_up_proj / experts.down_proj) loads too."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(os.path.join(moe6, "model.safetensors"))
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        w = [[tensors.pop(f"{p}.{e}.{n}_proj.weight") for e in range(6)]
+             for n in ("gate", "up", "down")]
+        tensors[f"{p}.gate_up_proj"] = torch.cat([torch.stack(w[0]), torch.stack(w[1])], dim=1)
+        tensors[f"{p}.down_proj"] = torch.stack(w[2])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(open(os.path.join(moe6, "config.json")).read())
+    for ep in (EPInfo(2, 1, 1, 0), EPInfo(1, 0, 2, 1)):
+        fused = load_model(str(tmp_path), torch.float32, torch.device("cpu"), ep=ep).state_dict()
+        split = load_model(moe6, torch.float32, torch.device("cpu"), ep=ep).state_dict()
+        assert fused.keys() == split.keys()
+        assert all(torch.equal(fused[n], split[n]) for n in split)

@@ -1,20 +1,24 @@
-"""MoE token flows (SPEC section 10): how each rank's CP-local rows meet experts spread over the TP world.
+"""MoE token flows (SPEC section 10): how each rank's CP-local rows meet experts spread over the TP
+world.
 
-Experts are split over ``ep`` ranks (rank ``tp_rank // expert_tp`` of the TP world owns experts
-``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``), each split over ``expert_tp = tp / ep`` ranks along the
-intermediate dimension. Two flows:
+Experts are split over ``ep`` ranks (the ``tp / ep`` adjacent ranks of EP rank ``tp_rank // (tp /
+ep)`` hold experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``), each expert split over those
+``expert_tp = tp / ep`` ranks along its intermediate dimension. Two flows:
 
-- ``none``: all-gather every rank's rows over the TP world, run the local experts (and expert-TP slice) on all
-  of them, reduce-scatter the partial sums back to each rank's own rows. Same collectives as the dense FFN's
-  layer communicator; on NCCL they and the Triton expert kernel are captured in the graph.
-- ``all_to_all``: each rank routes its own real rows (padding rows are never sent), sends each (row, expert)
-  pair to the ranks holding that expert with one all-to-all (after exchanging per-destination counts), runs its
-  experts, and sends the outputs back with a second all-to-all; the sender applies the routing weights.
-  The split sizes are data-dependent and must be known on the host, so the exchange is a graph break on every
-  backend. On NCCL the alternative, a capturable fixed-capacity exchange, would have to size every
-  destination's buffer for the worst case (all of a rank's pairs to one rank: ``tp`` times the real bytes) or
-  drop tokens past a capacity factor, which changes results; graphcp keeps exact results and real byte counts
-  and pays one host sync per MoE layer, small next to a prefill's expert GEMMs.
+- ``none``: all-gather every rank's rows over the TP world, run the local experts (and expert-TP
+  slice) on all of them, reduce-scatter the partial sums back to each rank's own rows: the dense
+  FFN's layer communicator. On NCCL these collectives and the Triton expert kernel are captured.
+- ``all_to_all``: each rank routes its own real rows (padding rows are never sent), sends each
+  (row, expert) pair to the ranks holding that expert with one all-to-all (after exchanging the
+  per-destination counts), runs its experts, and returns the outputs with a second all-to-all; the
+  sender applies the routing weights.
+
+The all-to-all's split sizes depend on the routing and must be known on the host, so the exchange is
+a graph break on every backend, NCCL included. The capturable alternative, a fixed-capacity
+exchange, must size each destination's buffer for the worst case (all of a rank's pairs to one
+rank: ``tp`` times the real bytes) or drop tokens past a capacity factor, which changes results.
+graphcp keeps exact results and real byte counts, and pays one host sync per MoE layer, which is
+small next to a prefill's expert GEMMs.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from graphcp.profiling import nvtx_range
 
 
 class GatherScatterMoE:
-    """``--moe-a2a-backend none``: the dense FFN's gather / reduce-scatter around the local experts."""
+    """``--moe-a2a-backend none``: the dense FFN's gather / reduce-scatter around local experts."""
 
     def __init__(self, layout: FFNCommunicator) -> None:
         self.layout = layout
@@ -44,18 +48,20 @@ class GatherScatterMoE:
 
 
 class AllToAllMoE:
-    """``--moe-a2a-backend all_to_all``: dispatch and combine with two all-to-alls over the TP world.
+    """``--moe-a2a-backend all_to_all``: dispatch and combine, two all-to-alls over the TP world.
 
-    Attention-TP peers hold the same rows; each dispatches an equal share of them and the peers all-gather
-    the combined rows afterwards, so no row is sent twice."""
+    Attention-TP peers hold the same rows: each dispatches an equal share of them and the peers
+    all-gather the combined rows afterwards, so no row is sent twice."""
 
-    def __init__(self, group: dist.ProcessGroup | None, tp_size: int, experts_per_rank: int, expert_tp: int,
-                 attn_tp_group: dist.ProcessGroup | None, attn_tp_size: int, attn_tp_rank: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, tp_size: int, experts_per_rank: int,
+                 expert_tp: int, attn_tp_group: dist.ProcessGroup | None, attn_tp_size: int,
+                 attn_tp_rank: int) -> None:
         self.group, self.tp_size = group, tp_size
         self.experts_per_rank, self.expert_tp = experts_per_rank, expert_tp
-        self.attn_tp_group, self.attn_tp_size, self.attn_tp_rank = attn_tp_group, attn_tp_size, attn_tp_rank
-        self.pairs_sent = 0        # (row, expert) pairs this rank dispatched: real rows x top-k x expert TP
-        self.bytes_sent = 0        # activation bytes this rank sent in both all-to-alls (measured)
+        self.attn_tp_group, self.attn_tp_size = attn_tp_group, attn_tp_size
+        self.attn_tp_rank = attn_tp_rank
+        self.pairs_sent = 0   # (row, expert) pairs dispatched: real rows x top-k x expert TP
+        self.bytes_sent = 0   # bytes this rank sent in the dispatch and combine (measured)
 
     def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
         rows, hidden = x.shape
@@ -79,14 +85,16 @@ class AllToAllMoE:
 
 @graph_break
 def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor, valid: torch.Tensor, experts: Callable) -> torch.Tensor:
+                      weights: torch.Tensor, valid: torch.Tensor,
+                      experts: Callable) -> torch.Tensor:
     with nvtx_range("moe_all_to_all"):
         k, etp = ids.shape[1], comm.expert_tp
         real = torch.nonzero(valid).reshape(-1)
         rows = real.repeat_interleave(k * etp)
         expert = ids.index_select(0, real).reshape(-1).repeat_interleave(etp)
         weight = weights.index_select(0, real).reshape(-1).repeat_interleave(etp)
-        dest = expert // comm.experts_per_rank * etp + torch.arange(etp, device=x.device).repeat(real.numel() * k)
+        peer = torch.arange(etp, device=x.device).repeat(real.numel() * k)
+        dest = expert // comm.experts_per_rank * etp + peer
         order = torch.argsort(dest, stable=True)
         rows, expert, weight, dest = rows[order], expert[order], weight[order], dest[order]
         send_counts = torch.bincount(dest, minlength=comm.tp_size)
@@ -102,13 +110,14 @@ def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids
         back = x.new_empty(send_x.shape)
         _all_to_all(back, y, send, recv, comm.group)
         comm.pairs_sent += rows.numel()
-        comm.bytes_sent += (send_x.numel() + y.numel()) * x.element_size() + expert.numel() * expert.element_size()
+        sent = (send_x, y, expert, send_counts)
+        comm.bytes_sent += sum(t.numel() * t.element_size() for t in sent)
         out.zero_()
         return out.index_add_(0, rows, back * weight[:, None])
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
-                group: dist.ProcessGroup | None) -> None:
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+                in_splits: list[int] | None, group: dist.ProcessGroup | None) -> None:
     """all_to_all_single; under gloo, CUDA tensors travel through host memory."""
     if out.is_cuda and dist.get_backend(group) != "nccl":
         host = torch.empty(out.shape, dtype=out.dtype)
@@ -118,12 +127,13 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | No
     dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
 
 
-def moe_communicator(args, num_experts: int, groups, tp_rank: int, attn_tp_rank: int):  # noqa: ANN001, ANN201
-    """The MoE token flow for this rank (None on a one-rank TP world: every expert is local)."""
+def moe_communicator(args, num_experts: int, groups, tp_rank: int,  # noqa: ANN001, ANN201
+                     attn_tp_rank: int):
+    """This rank's MoE token flow (None on a one-rank TP world: every expert is local)."""
     if args.tp_size == 1:
         return None
     if args.moe_a2a_backend == "all_to_all":
-        return AllToAllMoE(groups.tp, args.tp_size, num_experts // args.ep_size, args.expert_tp_size,
-                           groups.attn_tp, args.attn_tp_size, attn_tp_rank)
+        return AllToAllMoE(groups.tp, args.tp_size, num_experts // args.ep_size,
+                           args.expert_tp_size, groups.attn_tp, args.attn_tp_size, attn_tp_rank)
     atp = args.attn_tp_size
     return GatherScatterMoE(FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp))

@@ -1,10 +1,10 @@
-"""The sparse MoE block: a router picks top-k experts per token, gated SiLU experts run on their tokens.
+"""The sparse MoE block: a router picks top-k experts per token, gated SiLU experts run on them.
 
-The block knows nothing about ranks: the forward context's MoE communicator moves tokens to the experts
-(an all-gather / reduce-scatter, or an all-to-all dispatch and combine) and calls back into the router and
-the experts. Each rank holds ``num_experts / ep`` experts, each split over the expert-TP ranks along the
-intermediate dimension. The router is a separate small module so a DeepSeek-style router (grouped top-k,
-score-correction bias, routed scaling) can sit beside it.
+The block knows nothing about ranks: the forward context's MoE communicator moves tokens to the
+experts (an all-gather / reduce-scatter, or an all-to-all dispatch and combine) and calls back into
+the router and the experts. Each rank holds ``num_experts / ep`` experts, each split over the
+expert-TP ranks along the intermediate dimension. The router is a separate small module so a
+DeepSeek-style router (grouped top-k, score-correction bias, routed scaling) can sit beside it.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from graphcp.models.parallel import shard_range
 
 @dataclass(frozen=True)
 class EPInfo:
-    """This rank's place for the experts: EP rank (which experts) and expert-TP rank (which slice of them)."""
+    """This rank's place for the experts: EP rank (which experts), expert-TP rank (which slice)."""
     ep_size: int = 1
     ep_rank: int = 0
     expert_tp_size: int = 1
@@ -33,7 +33,8 @@ class SoftmaxTopKRouter(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size),
+                                   requires_grad=False)
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +47,10 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's experts, stored fused as transformers 5 keeps them: gate_up_proj [E_local, 2 I_local, H]
-    (gate rows first), down_proj [E_local, H, I_local]. Checkpoints name them per expert
-    (``experts.{e}.gate_proj.weight``) or fused; the loader reads only this rank's experts and slice."""
+    """This rank's experts, stored fused as transformers 5 keeps them: gate_up_proj
+    [E_local, 2 I_local, H] (gate rows first), down_proj [E_local, H, I_local]. Checkpoints name
+    them per expert (``experts.{e}.gate_proj.weight``) or fused; each rank reads only its experts
+    and its expert-TP slice of them."""
 
     def __init__(self, cfg: ModelConfig, ep: EPInfo) -> None:
         super().__init__()
@@ -57,20 +59,22 @@ class Experts(nn.Module):
         self.inter = cfg.moe_intermediate_size
         self.slice = shard_range(cfg.moe_intermediate_size, ep.expert_tp_size, ep.expert_tp_rank)
         inter = self.slice[1] - self.slice[0]
-        self.gate_up_proj = nn.Parameter(torch.empty(per, 2 * inter, cfg.hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(per, cfg.hidden_size, inter), requires_grad=False)
+        hidden = cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(per, 2 * inter, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(per, hidden, inter), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over this rank's experts of weight x expert(x) for each (row, expert) pair of ``ids``;
-        pairs routed to other ranks' experts add nothing. x [N, H], ids/weights [N, k] -> [N, H]."""
+        """Sum over this rank's experts of weight x expert(x) for each (row, expert) pair of
+        ``ids``; pairs routed to other ranks' experts add nothing. x [N, H], ids/weights [N, k]."""
+        w13, w2 = self.gate_up_proj, self.down_proj
         if x.is_cuda:
             from graphcp.models.triton_moe import triton_experts
-            return triton_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.first)
-        return _experts_torch(x.new_empty(x.shape), x, ids, weights, self.gate_up_proj, self.down_proj, self.first)
+            return triton_experts(x, ids, weights, w13, w2, self.first)
+        return _experts_torch(x.new_empty(x.shape), x, ids, weights, w13, w2, self.first)
 
     # -- loading ------------------------------------------------------------------------------
-    def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple[int, ...]]:
-        """The checkpoint tensors (name -> full shape) these experts load from: per-expert or fused."""
+    def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple]:
+        """Checkpoint tensors (name -> full shape) the experts load from: per expert or fused."""
         if f"{prefix}.gate_up_proj" in names:
             return {f"{prefix}.gate_up_proj": (self.num_experts, 2 * self.inter, hidden),
                     f"{prefix}.down_proj": (self.num_experts, hidden, self.inter)}
@@ -83,14 +87,14 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def load(self, prefix: str, names: set[str], read) -> None:  # noqa: ANN001
-        """``read(name, index)`` returns ``tensor[index]`` from the checkpoint, reading only that slice."""
+        """``read(name, index)`` returns ``tensor[index]`` from the checkpoint (only that slice)."""
         lo, hi = self.slice
         experts = slice(self.first, self.first + self.num_local)
         inter = hi - lo
         if f"{prefix}.gate_up_proj" in names:
             self.gate_up_proj[:, :inter] = read(f"{prefix}.gate_up_proj", (experts, slice(lo, hi)))
-            self.gate_up_proj[:, inter:] = read(f"{prefix}.gate_up_proj",
-                                                (experts, slice(self.inter + lo, self.inter + hi)))
+            up = slice(self.inter + lo, self.inter + hi)
+            self.gate_up_proj[:, inter:] = read(f"{prefix}.gate_up_proj", (experts, up))
             self.down_proj.copy_(read(f"{prefix}.down_proj", (experts, slice(None), slice(lo, hi))))
             return
         for i in range(self.num_local):
@@ -103,8 +107,8 @@ class Experts(nn.Module):
 @graph_break
 def _experts_torch(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, first: int) -> torch.Tensor:
-    """The per-expert loop (the CPU form and the oracle of the Triton kernel). Which rows each expert gets
-    is known only on the host, so inside a graph this is a break."""
+    """The per-expert loop (the CPU form, and the oracle of the Triton kernel). Which rows each
+    expert gets is known only on the host, so inside a graph this is a break."""
     out.zero_()
     local = ids - first
     inter = down.shape[-1]
@@ -119,7 +123,7 @@ def _experts_torch(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weight
 
 
 class MoEBlock(nn.Module):
-    """Router + experts; the forward context's MoE communicator decides where tokens meet their experts."""
+    """Router + experts; the forward context's MoE communicator decides where tokens meet them."""
 
     def __init__(self, cfg: ModelConfig, ep: EPInfo) -> None:
         super().__init__()
