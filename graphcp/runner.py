@@ -337,8 +337,7 @@ class ModelRunner:
                 "graph_buckets": self.graphs.buckets if self.graphs else [],
                 "graph_captures": self.graphs.captures if self.graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.backend,
-                "moe_pairs_sent": getattr(self.moe_comm, "pairs_sent", 0),      # all_to_all dispatch (measured)
-                "moe_bytes_sent": getattr(self.moe_comm, "bytes_sent", 0),
+                "moe_traffic": self.moe_comm.traffic.as_dict() if self.moe_comm else None,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
                 "capture_failures": self.graphs.failures if self.graphs else {},
                 "capture_records": [vars(r) for r in self.graphs.records.values()] if self.graphs else []}

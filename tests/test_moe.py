@@ -42,6 +42,10 @@ def moe8(ckpt_dir):
                            num_experts_per_tok=3, norm_topk_prob=True)
 
 
+def _pairs_sent(engine) -> list[int]:
+    return [t["pairs_sent"] for t in engine.stats()["moe_traffic_per_rank"]]
+
+
 def test_moe_layers_as_hf_decides(tmp_path):
     """mlp_only_layers and decoder_sparse_step pick the same MoE layers as transformers builds."""
     import transformers
@@ -74,10 +78,10 @@ def test_single_rank_matches_hf(request, engines, oracle, name):
 def test_cp2_ep2_matches_hf_in_graphs(moe6, engines, oracle, backend):
     engine = engines.get(moe6, moe_a2a_backend=backend, **CP2_EP2)
     s = Session(engine, oracle, moe6)
-    sent = engine.stats()["moe_pairs_sent_per_rank"]
+    sent = _pairs_sent(engine)
     out = s.run(FIRST)
     assert out.mode == "graph" and out.cp_applied, out.eager_reason
-    now = engine.stats()["moe_pairs_sent_per_rank"]
+    now = _pairs_sent(engine)
     if backend == "all_to_all":
         # Only real rows are dispatched (the bucket holds 64 rows per rank, 33 of them real): each
         # real token's top-2 pairs in each of the two MoE layers, from the rank holding the token.
@@ -87,9 +91,22 @@ def test_cp2_ep2_matches_hf_in_graphs(moe6, engines, oracle, backend):
         assert now == sent == [0, 0]
     out = s.run(SECOND)                                                 # chunked + new
     assert out.mode == "graph"
+    before = engine.stats()["moe_traffic_per_rank"]
     eager = s.run([("d", random_ids(16, VOCAB, 7)), ("f", random_ids(25, VOCAB, 8))],
                   force_eager=True)
     assert eager.mode == "eager"
+    # Traffic measured in the communicator: each rank's two MoE layer calls, the bytes it handed to
+    # the flow's collectives, and the expert load of the real tokens (41 x top-2 x 2 layers).
+    after = engine.stats()["moe_traffic_per_rank"]
+    keys = ("all_to_all_dispatch", "all_to_all_combine") if backend == "all_to_all" \
+        else ("all_gather", "reduce_scatter")
+    for b, a in zip(before, after):
+        assert a["layer_calls"] - b["layer_calls"] == 2
+        assert sorted(a["bytes"]) == sorted(keys)
+        assert all(a["bytes"][k] > b["bytes"].get(k, 0) for k in keys)
+    load = [sum(a["pairs_per_ep_rank"][i] - b["pairs_per_ep_rank"][i]
+                for b, a in zip(before, after)) for i in range(2)]
+    assert sum(load) == 41 * 2 * 2 and min(load) > 0, load
     s.release_all()
     # Each rank holds 3 of the 6 experts (the dense layer's FFN is split over the TP world too).
     one = engines.get(moe6, cuda_graph_buckets=[32, 64, 128]).stats()["weight_bytes"]
@@ -114,9 +131,9 @@ def test_expert_tp2_matches_hf(moe8, engines, oracle):
                          cp_strategy="zigzag", moe_a2a_backend="all_to_all",
                          cuda_graph_buckets=[64])
     s = Session(engine, oracle, moe8)
-    sent = sum(engine.stats()["moe_pairs_sent_per_rank"])
+    sent = sum(_pairs_sent(engine))
     assert s.run(FIRST).mode == "graph"
-    assert sum(engine.stats()["moe_pairs_sent_per_rank"]) - sent == 66 * 3 * 2 * 2
+    assert sum(_pairs_sent(engine)) - sent == 66 * 3 * 2 * 2
     s.release_all()
 
 
@@ -124,10 +141,10 @@ def test_tp4_ep4_attention_tp2_matches_hf(moe8, engines, oracle):
     """Attention TP 2 inside CP 2; the all-to-all dispatches each attention-TP group's rows once."""
     engine = engines.get(moe8, **TP4_EP4_CP2)
     s = Session(engine, oracle, moe8)
-    sent = sum(engine.stats()["moe_pairs_sent_per_rank"])
+    sent = sum(_pairs_sent(engine))
     s.run(FIRST)        # zigzag padding rows on every rank
     s.run(SECOND)       # a chunked second prefill of "b", and a new rid
-    assert sum(engine.stats()["moe_pairs_sent_per_rank"]) - sent == (66 + 42) * 3 * 2
+    assert sum(_pairs_sent(engine)) - sent == (66 + 42) * 3 * 2
     s.release_all()
 
 

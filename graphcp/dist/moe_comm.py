@@ -30,21 +30,70 @@ from torch import nn
 
 from graphcp.dist.comm import FFNCommunicator, all_gather_into
 from graphcp.forward_context import current_valid_rows
-from graphcp.graph.capture import graph_break
+from graphcp.graph.capture import capture_active, graph_break
 from graphcp.profiling import nvtx_range
+
+
+class MoETraffic:
+    """What one rank's MoE token flow moved, counted from the tensors it hands to the collectives:
+    bytes per collective (sent to other ranks), MoE layer calls, and the (row, expert) pairs of this
+    rank's real rows per EP rank (the expert load). Counted in eager forwards; a graph replay runs no
+    Python outside its breaks, so there only the all-to-all (a break) counts. ``graphcp bench``
+    measures eager forwards."""
+
+    def __init__(self, ep_size: int, experts_per_rank: int) -> None:
+        self.experts_per_rank = experts_per_rank
+        self.bytes: dict[str, int] = {}
+        self.layer_calls = 0
+        self.pairs_per_ep_rank = [0] * ep_size
+        self.pairs_sent = 0      # all_to_all: pairs dispatched (real rows x top-k x expert TP)
+
+    def add_bytes(self, name: str, nbytes: int) -> None:
+        self.bytes[name] = self.bytes.get(name, 0) + int(nbytes)
+
+    def add_load(self, ids: torch.Tensor) -> None:
+        """ids [pairs] of real rows' routed experts."""
+        per_rank = torch.bincount(ids.reshape(-1) // self.experts_per_rank,
+                                  minlength=len(self.pairs_per_ep_rank))
+        self.pairs_per_ep_rank = [a + b for a, b in zip(self.pairs_per_ep_rank, per_rank.tolist())]
+
+    def as_dict(self) -> dict:
+        return {"bytes": dict(self.bytes), "layer_calls": self.layer_calls,
+                "pairs_per_ep_rank": list(self.pairs_per_ep_rank), "pairs_sent": self.pairs_sent}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class GatherScatterMoE:
     """``--moe-a2a-backend none``: the dense FFN's gather / reduce-scatter around local experts."""
 
-    def __init__(self, layout: FFNCommunicator) -> None:
-        self.layout = layout
+    def __init__(self, layout: FFNCommunicator, traffic: MoETraffic, counts_load: bool) -> None:
+        self.layout, self.traffic = layout, traffic
+        self.counts_load = counts_load       # one rank per attention-TP group counts its rows' load
 
     def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
         rows = x.shape[0]
         everyone = self.layout.gather(x)
         weights, ids = router(everyone)
-        return self.layout.scatter(experts(everyone, ids, weights), rows)
+        partial = experts(everyone, ids, weights)
+        if not capture_active():
+            self._count(x, ids, partial, rows)
+        return self.layout.scatter(partial, rows)
+
+    def _count(self, x: torch.Tensor, ids: torch.Tensor, partial: torch.Tensor, rows: int) -> None:
+        t, layout = self.traffic, self.layout
+        t.layer_calls += 1
+        others = (layout.tp_size - 1) / layout.tp_size
+        t.add_bytes("all_gather", _nbytes(x) * (layout.tp_size - 1))      # my rows, to every peer
+        # The reduce-scatter takes one block per rank (attention-TP peers get copies of one block);
+        # every block but my own leaves this rank.
+        t.add_bytes("reduce_scatter", _nbytes(partial) * layout.attn_tp_size * others)
+        if self.counts_load:
+            valid = current_valid_rows()
+            mine = ids[layout.block * rows:(layout.block + 1) * rows]
+            t.add_load(mine if valid is None else mine[valid.bool()])
 
 
 class AllToAllMoE:
@@ -53,15 +102,13 @@ class AllToAllMoE:
     Attention-TP peers hold the same rows: each dispatches an equal share of them and the peers
     all-gather the combined rows afterwards, so no row is sent twice."""
 
-    def __init__(self, group: dist.ProcessGroup | None, tp_size: int, experts_per_rank: int,
-                 expert_tp: int, attn_tp_group: dist.ProcessGroup | None, attn_tp_size: int,
-                 attn_tp_rank: int) -> None:
-        self.group, self.tp_size = group, tp_size
+    def __init__(self, group: dist.ProcessGroup | None, tp_size: int, tp_rank: int,
+                 experts_per_rank: int, expert_tp: int, attn_tp_group: dist.ProcessGroup | None,
+                 attn_tp_size: int, attn_tp_rank: int, traffic: MoETraffic) -> None:
+        self.group, self.tp_size, self.tp_rank = group, tp_size, tp_rank
         self.experts_per_rank, self.expert_tp = experts_per_rank, expert_tp
         self.attn_tp_group, self.attn_tp_size = attn_tp_group, attn_tp_size
-        self.attn_tp_rank = attn_tp_rank
-        self.pairs_sent = 0   # (row, expert) pairs dispatched: real rows x top-k x expert TP
-        self.bytes_sent = 0   # bytes this rank sent in the dispatch and combine (measured)
+        self.attn_tp_rank, self.traffic = attn_tp_rank, traffic
 
     def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
         rows, hidden = x.shape
@@ -80,6 +127,8 @@ class AllToAllMoE:
             return out
         full = out.new_empty((self.attn_tp_size * out.shape[0], hidden))
         all_gather_into(full, out, self.attn_tp_group)
+        if not capture_active():
+            self.traffic.add_bytes("attn_tp_all_gather", _nbytes(out) * (self.attn_tp_size - 1))
         return full[:rows]
 
 
@@ -109,11 +158,22 @@ def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids
         y = experts(recv_x, recv_expert[:, None], recv_x.new_ones((recv_x.shape[0], 1)))
         back = x.new_empty(send_x.shape)
         _all_to_all(back, y, send, recv, comm.group)
-        comm.pairs_sent += rows.numel()
-        sent = (send_x, y, expert, send_counts)
-        comm.bytes_sent += sum(t.numel() * t.element_size() for t in sent)
+        _count(comm, expert[peer[order] == 0], send, recv, send_x, expert, y)
         out.zero_()
         return out.index_add_(0, rows, back * weight[:, None])
+
+
+def _count(comm: AllToAllMoE, routed: torch.Tensor, send: list[int], recv: list[int],
+           send_x: torch.Tensor, expert: torch.Tensor, y: torch.Tensor) -> None:
+    """Bytes that left this rank (rows to itself stay): counts, rows and ids out, outputs back."""
+    t, me = comm.traffic, comm.tp_rank
+    t.layer_calls += 1
+    t.pairs_sent += send_x.shape[0]
+    row = send_x.shape[1] * send_x.element_size()
+    t.add_bytes("all_to_all_dispatch", (sum(send) - send[me]) * (row + expert.element_size())
+                + 8 * (comm.tp_size - 1))
+    t.add_bytes("all_to_all_combine", (sum(recv) - recv[me]) * y.shape[1] * y.element_size())
+    t.add_load(routed)
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
@@ -132,8 +192,11 @@ def moe_communicator(args, num_experts: int, groups, tp_rank: int,  # noqa: ANN0
     """This rank's MoE token flow (None on a one-rank TP world: every expert is local)."""
     if args.tp_size == 1:
         return None
+    per = num_experts // args.ep_size
+    traffic = MoETraffic(args.ep_size, per)
     if args.moe_a2a_backend == "all_to_all":
-        return AllToAllMoE(groups.tp, args.tp_size, num_experts // args.ep_size,
-                           args.expert_tp_size, groups.attn_tp, args.attn_tp_size, attn_tp_rank)
+        return AllToAllMoE(groups.tp, args.tp_size, tp_rank, per, args.expert_tp_size,
+                           groups.attn_tp, args.attn_tp_size, attn_tp_rank, traffic)
     atp = args.attn_tp_size
-    return GatherScatterMoE(FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp))
+    layout = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp)
+    return GatherScatterMoE(layout, traffic, counts_load=attn_tp_rank == 0)
