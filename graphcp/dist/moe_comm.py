@@ -36,10 +36,10 @@ from graphcp.profiling import nvtx_range
 
 class MoETraffic:
     """What one rank's MoE token flow moved, counted from the tensors it hands to the collectives:
-    bytes per collective (sent to other ranks), MoE layer calls, and the (row, expert) pairs of this
-    rank's real rows per EP rank (the expert load). Counted in eager forwards; a graph replay runs no
-    Python outside its breaks, so there only the all-to-all (a break) counts. ``graphcp bench``
-    measures eager forwards."""
+    bytes per collective (sent to other ranks), MoE layer calls, and the (row, expert) pairs of
+    this rank's real rows per EP rank (the expert load). Counted in eager forwards; a graph replay
+    runs no Python outside its breaks, so there only the all-to-all (a break) counts. ``graphcp
+    bench`` measures eager forwards."""
 
     def __init__(self, ep_size: int, experts_per_rank: int) -> None:
         self.experts_per_rank = experts_per_rank
