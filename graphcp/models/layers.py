@@ -14,12 +14,13 @@ from graphcp.models.config import ModelConfig
 
 log = logging.getLogger("graphcp")
 _TRITON_FORMS = {"rms_norm": ("graphcp.models.triton_rmsnorm", "triton_rms_norm"),
-                 "rope": ("graphcp.models.triton_rope", "triton_rope")}
+                 "rope": ("graphcp.models.triton_rope", "triton_rope"),
+                 "moe_experts": ("graphcp.models.triton_moe", "triton_experts")}
 _CUDA_KERNELS: dict[str, Callable | None] = {}
 
 
 def cuda_kernel(name: str) -> Callable | None:
-    """graphcp's one-launch Triton form of a layer op (``rms_norm``, ``rope``) for CUDA tensors, or None
+    """graphcp's Triton form of a layer op (``rms_norm``, ``rope``, ``moe_experts``) for CUDA tensors, or None
     where triton is not importable (the torch form then runs). Looked up once per process."""
     if name not in _CUDA_KERNELS:
         fn = None

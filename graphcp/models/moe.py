@@ -16,6 +16,7 @@ from torch import nn
 from graphcp.forward_context import current_moe_communicator
 from graphcp.graph.capture import graph_break
 from graphcp.models.config import ModelConfig
+from graphcp.models.layers import fused_or_torch
 from graphcp.models.parallel import shard_range
 
 
@@ -66,11 +67,13 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over this rank's experts of weight x expert(x) for each (row, expert) pair of
         ``ids``; pairs routed to other ranks' experts add nothing. x [N, H], ids/weights [N, k]."""
-        w13, w2 = self.gate_up_proj, self.down_proj
-        if x.is_cuda:
-            from graphcp.models.triton_moe import triton_experts
-            return triton_experts(x, ids, weights, w13, w2, self.first)
-        return _experts_torch(x.new_empty(x.shape), x, ids, weights, w13, w2, self.first)
+        args = (x, ids, weights, self.gate_up_proj, self.down_proj, self.first)
+
+        def torch_form() -> torch.Tensor:
+            return _experts_torch(x.new_empty(x.shape), *args)
+        if x.is_cuda:   # one grouped-GEMM launch per projection, checked once against torch_form
+            return fused_or_torch("moe_experts", lambda fn: fn(*args), torch_form)
+        return torch_form()
 
     # -- loading ------------------------------------------------------------------------------
     def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple]:
