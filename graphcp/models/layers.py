@@ -20,8 +20,9 @@ _CUDA_KERNELS: dict[str, Callable | None] = {}
 
 
 def cuda_kernel(name: str) -> Callable | None:
-    """graphcp's Triton form of a layer op (``rms_norm``, ``rope``, ``moe_experts``) for CUDA tensors, or None
-    where triton is not importable (the torch form then runs). Looked up once per process."""
+    """graphcp's Triton form of a layer op (``rms_norm``, ``rope``, ``moe_experts``) for CUDA
+    tensors, or None where triton is not importable (the torch form then runs). Looked up once per
+    process."""
     if name not in _CUDA_KERNELS:
         fn = None
         if importlib.util.find_spec("triton") is not None:
