@@ -51,6 +51,7 @@ def merge(cmd: str, replies: list[Any]) -> Any:
         stats = dict(replies[0])
         stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]
         stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
+        stats["moe_traffic_per_rank"] = [r.get("moe_traffic") for r in replies]   # MoE token flows
         return stats
     return replies[0]
 

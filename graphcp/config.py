@@ -14,6 +14,7 @@ BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
 KERNELS = ("auto", "flashinfer", "triton", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+MOE_A2A_BACKENDS = ("none", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class EngineArgs:
     rank_timeout_s: float = 60.0
     ffn_tp_size: int | None = None   # None = the TP world; or tp / (dp x attn-cp-size) to keep the FFN
                                      # with attention TP: no layer communicator, FFN weights replicated per CP rank
+    ep_size: int = 1                 # expert parallelism: experts split over ep ranks of the TP world
+    moe_a2a_backend: str = "none"    # MoE token flow: none (gather / reduce-scatter) | all_to_all
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
@@ -82,6 +85,10 @@ class EngineArgs:
         if self.ffn_tp_size is not None and self.ffn_tp_size not in (self.tp_size, self.attn_tp_size):
             raise ConfigError(f"--ffn-tp-size must be {self.tp_size} (the TP world) or {self.attn_tp_size} "
                               f"(the attention TP size), got {self.ffn_tp_size}")
+        _choice("--moe-a2a-backend", self.moe_a2a_backend, MOE_A2A_BACKENDS)
+        if not isinstance(self.ep_size, int) or self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ConfigError(f"--ep must be a positive divisor of --tp (expert TP = tp / ep), "
+                              f"got ep={self.ep_size!r} with tp={self.tp_size}")
         if self.cuda_graph_buckets is not None:
             if not self.cuda_graph_buckets or any(b < 1 for b in self.cuda_graph_buckets):
                 raise ConfigError("--cuda-graph-buckets must be positive token counts, e.g. 32 64 128")
@@ -106,6 +113,10 @@ class EngineArgs:
     @property
     def resolved_ffn_tp_size(self) -> int:
         return self.ffn_tp_size or self.tp_size
+
+    @property
+    def expert_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -147,6 +158,10 @@ class EngineArgs:
             help="seconds before a silent rank makes prefill fail")
         add("--ffn-tp-size", type=int, default=None,
             help="dense FFN TP size: the TP world (default) or the attention TP size (FFN replicated per CP rank)")
+        add("--ep", "--ep-size", dest="ep_size", type=int, default=1,
+            help="expert-parallel size: experts split over ep ranks, expert TP = tp / ep")
+        add("--moe-a2a-backend", default="none",
+            help="MoE token flow: none (all-gather, local experts, reduce-scatter) | all_to_all (dispatch/combine)")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":

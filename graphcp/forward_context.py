@@ -6,7 +6,7 @@ communication, KV cache writes and the kernel. Models never see layouts, ranks o
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -36,19 +36,48 @@ class _SameLayout:
         return None
 
 
+class MoECommunicator(Protocol):
+    """Brings this rank's rows to their experts and the experts' outputs back (graphcp/dist/moe_comm.py)."""
+
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+        """x [rows, H] -> sum over each row's routed experts, [rows, H]. ``router(x) -> (weights, ids)``;
+        ``experts(x, ids, weights)`` sums this rank's experts' weighted outputs."""
+
+
+class _LocalExperts:
+    """One rank holds every expert: route and run in place."""
+
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+        weights, ids = router(x)
+        return experts(x, ids, weights)
+
+
 _current: AttentionOp | None = None
 _communicator: Communicator = _SameLayout()
+_moe: MoECommunicator = _LocalExperts()
+_valid_rows: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
-def forward_context(attention: AttentionOp, communicator: Communicator | None = None) -> Iterator[None]:
-    global _current, _communicator
-    previous = (_current, _communicator)
+def forward_context(attention: AttentionOp, communicator: Communicator | None = None,
+                    moe: MoECommunicator | None = None, valid_rows: torch.Tensor | None = None) -> Iterator[None]:
+    """``valid_rows`` [rows]: 1 for this rank's real tokens, 0 for padding (token flows skip padding)."""
+    global _current, _communicator, _moe, _valid_rows
+    previous = (_current, _communicator, _moe, _valid_rows)
     _current, _communicator = attention, communicator or _SameLayout()
+    _moe, _valid_rows = moe or _LocalExperts(), valid_rows
     try:
         yield
     finally:
-        _current, _communicator = previous
+        _current, _communicator, _moe, _valid_rows = previous
+
+
+def current_moe_communicator() -> MoECommunicator:
+    return _moe
+
+
+def current_valid_rows() -> torch.Tensor | None:
+    return _valid_rows
 
 
 def current_communicator() -> Communicator:

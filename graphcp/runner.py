@@ -28,6 +28,8 @@ from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kv.cache import KVPool
 from graphcp.kv.sizing import context_limit, kv_tokens
 from graphcp.models import fp8, load_model, read_model_config
+from graphcp.models.config import check_expert_parallel
+from graphcp.models.moe import probe_experts
 from graphcp.models.layers import probe_layer_kernels
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range
@@ -46,7 +48,8 @@ class ModelRunner:
         self.dtype = _resolve_dtype(args.dtype, self.device)
         self.model_config = cfg = read_model_config(args.model_path)
         check_model_fits(args, cfg)
-        self.par = par = RankParallel.build(args, rank, cfg.num_hidden_layers, self.device)
+        check_expert_parallel(cfg, args.ep_size)
+        self.par = par = RankParallel.build(args, rank, cfg, self.device)
         self.me, self.comm = par.me, par.comm
         self.backend = args.resolved_backend()
         atp = args.attn_tp_size
@@ -57,10 +60,12 @@ class ModelRunner:
         self.kernel = KERNELS[self.kernel_name]
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
         self.layers = par.layers
-        self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp)
-        if self.device.type == "cuda":
+        self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp,
+                                par.ep)
+        if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
             probe_layer_kernels(self.device, self.dtype)
             fp8.probe_gemm(self.model, self.dtype)
+            probe_experts(self.model)
 
         per_token = KVPool.bytes_per_token(len(self.layers), heads[1], cfg.head_dim, self.dtype)
         tokens = kv_tokens(args.max_total_tokens, per_token, self.device, par.ranks_per_device,
@@ -133,7 +138,7 @@ class ModelRunner:
         split = self.backend == "flashattention" and strategy.splits_early_late
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, batch.host, split, self.scale)
         par = self.par
-        with forward_context(attention, par.communicator):
+        with forward_context(attention, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:
                 hidden = self.model(local_ids, meta.positions)
             else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
@@ -157,8 +162,8 @@ class ModelRunner:
         txn = self.planner.allocate(plan)
         try:
             with nvtx_range("prefill"):
-                # A DP group without requests still joins the FFN collectives when there are any.
-                run = plan.rids or self.par.communicator is not None
+                # A DP group without requests still joins the FFN and MoE collectives when there are any.
+                run = plan.rids or self.par.communicator is not None or self.par.moe_comm is not None
                 logits, host_ops = self._run(plan, count_ops) if run else (None, 0)
             if logits is not None:
                 logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
@@ -221,6 +226,7 @@ class ModelRunner:
                 "graph_buckets": graphs.buckets if graphs else [],
                 "graph_captures": graphs.captures if graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.backend,
+                "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else []}

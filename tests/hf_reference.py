@@ -12,6 +12,7 @@ _CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -21,7 +22,7 @@ def make_checkpoint(path: str, family: str = "qwen3", seed: int = 0, **overrides
     cfg_name, model_name = _CONFIGS[family]
     kwargs = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32
     kwargs.update(overrides)
     config = getattr(transformers, cfg_name)(**kwargs)

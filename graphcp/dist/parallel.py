@@ -9,7 +9,11 @@ import torch
 
 from graphcp.config import EngineArgs
 from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce
-from graphcp.dist.topology import Groups, RankInfo, build_groups, rank_info
+from graphcp.dist.moe_comm import moe_communicator
+from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, rank_info
+from graphcp.forward_context import MoECommunicator
+from graphcp.models.config import ModelConfig
+from graphcp.models.moe import EPInfo
 from graphcp.models.parallel import TPInfo, shard_range
 
 
@@ -21,6 +25,8 @@ class RankParallel:
     attn_tp: TPInfo                        # heads and the vocabulary are split over attention TP
     ffn_tp: TPInfo                         # the dense FFN's split (the TP world by default)
     communicator: FFNCommunicator | None   # moves rows between the attention and the FFN layout
+    ep: EPInfo                             # which experts (EP rank) and which slice of them (expert TP)
+    moe_comm: MoECommunicator | None       # brings rows to their experts (MoE models)
     layers: range                          # this pipeline stage's layers
     first_stage: bool
     last_stage: bool
@@ -28,7 +34,7 @@ class RankParallel:
     device: torch.device
 
     @classmethod
-    def build(cls, args: EngineArgs, rank: int, num_layers: int, device: torch.device) -> "RankParallel":
+    def build(cls, args: EngineArgs, rank: int, cfg: ModelConfig, device: torch.device) -> "RankParallel":
         me = rank_info(args, rank)
         groups = build_groups(args, me) if args.world_size > 1 else Groups(None, None)
         atp = args.attn_tp_size
@@ -40,9 +46,13 @@ class RankParallel:
         wide = args.resolved_ffn_tp_size > atp
         ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp) if wide else attn_tp
         communicator = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp) if wide else None
-        layers = range(*shard_range(num_layers, args.pp_size, me.pp_rank))
+        layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
+        # MoE: experts split over EP ranks of the TP world, each over expert TP (see dist/moe_comm.py).
+        ep_rank, expert_tp_rank = expert_place(args, rank)
+        ep = EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
-        return cls(me, groups, comm, attn_tp, ffn_tp, communicator, layers, me.pp_rank == 0,
+        moe = moe_communicator(args, cfg.num_experts, groups, tp_rank, me.attn_tp_rank) if cfg.moe_layers else None
+        return cls(me, groups, comm, attn_tp, ffn_tp, communicator, ep, moe, layers, me.pp_rank == 0,
                    me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device)
 
     def all_ranks_agree(self, ok: bool) -> bool:

@@ -88,3 +88,10 @@ def rank_map(args: EngineArgs) -> str:
         i = rank_info(args, r)
         lines.append(f"  {r:>4}  {i.pp_rank:>2}  {i.dp_rank:>2}  {i.cp_rank:>2}  {i.attn_tp_rank:>7}")
     return "\n".join(lines)
+
+
+def expert_place(args: EngineArgs, rank: int) -> tuple[int, int]:
+    """(EP rank, expert-TP rank) of a rank, as SGLang lays them out: the TP world is ep groups of
+    ``tp / ep`` adjacent ranks, each group holding ``num_experts / ep`` experts split along their
+    intermediate dimension. The MoE collectives run over the TP world (``Groups.tp``)."""
+    return divmod(rank % args.tp_size, args.expert_tp_size)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
 
@@ -12,12 +12,15 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
-          "num_attention_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 22}
+          "num_attention_heads": 1024, "num_experts": 4096,
+          "moe_intermediate_size": 1 << 19, "head_dim": 1024, "max_position_embeddings": 1 << 22}
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class ModelConfig:
     sliding_window: int | None = None   # set when some layer attends through a window (graphcp caps the context)
     fp8_block: tuple[int, int] | None = None   # FP8 checkpoint: weight_block_size (output rows, input columns)
     fp8_skip: tuple[str, ...] = ()              # FP8 checkpoint: modules left unquantized (modules_to_not_convert)
+    num_experts: int = 0                # MoE (Qwen3-MoE): routed experts, 0 for dense models
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
 
     @property
     def q_size(self) -> int:
@@ -104,16 +112,43 @@ def read_model_config(model_path: str) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
         qk_norm=family == "qwen3",
-        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
         fp8_block=fp8_block, fp8_skip=fp8_skip,
     )
+    if arch == "Qwen3MoeForCausalLM":
+        # transformers 5 writes the expert count as num_local_experts; released checkpoints say num_experts.
+        raw.setdefault("num_experts", raw.get("num_local_experts"))
+        cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
+    params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
     if params > 2 * 10**12:
         raise ConfigError(f"--model-path: config.json describes {params / 1e9:.0f}B parameters, beyond any machine")
     return cfg
+
+
+def _moe_fields(raw: dict, num_layers: int, need) -> dict:  # noqa: ANN001
+    """Qwen3-MoE's expert fields, and its MoE layers as HF decides them: every ``decoder_sparse_step``-th
+    layer that is not in ``mlp_only_layers``."""
+    experts, top_k = need("num_experts"), need("num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    step, dense = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"--model-path: decoder_sparse_step={step!r} must be a positive integer")
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ConfigError(f"--model-path: mlp_only_layers={dense!r} must be a list of layer indices")
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=need("moe_intermediate_size"),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)
+
+
+def check_expert_parallel(cfg: ModelConfig, ep_size: int) -> None:
+    """Experts are split evenly over the EP ranks (SGLang's rule)."""
+    if cfg.moe_layers and cfg.num_experts % ep_size:
+        raise ConfigError(f"--ep {ep_size} must divide the model's num_experts={cfg.num_experts}")
 
 
 def _sliding_window(raw: dict, arch: str, num_layers: int) -> int | None:

@@ -1,5 +1,5 @@
 """Llama-family causal LM (Llama with optional attention/MLP biases, Mistral, Qwen2 with qkv bias, Qwen3 with
-q/k norm and optional attention bias), HF weight names.
+q/k norm and optional attention bias, Qwen3-MoE: Qwen3 attention with MoE blocks), HF weight names.
 
 Heads and the vocabulary are split over the attention TP group (``tp``), MLP features over the FFN TP
 group (``ffn_tp``, the whole TP world); a pipeline stage builds only its layers (``layers``), the first
@@ -14,6 +14,7 @@ from graphcp.forward_context import current_attention, current_communicator
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig
 from graphcp.models.layers import RMSNorm, RotaryEmbedding
+from graphcp.models.moe import EPInfo, MoEBlock
 from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo, VocabEmbedding, vocab_logits
 
 
@@ -100,12 +101,12 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo,
-                 ffn_tp: TPInfo) -> None:
+                 ffn_tp: TPInfo, ep: EPInfo) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_id, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg, ffn_tp)
+        self.mlp = MoEBlock(cfg, ep) if layer_id in cfg.moe_layers else GatedMLP(cfg, ffn_tp)
 
     def forward(self, positions: torch.Tensor, delta: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,20 +121,21 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPInfo, layers: range, ffn_tp: TPInfo) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPInfo, layers: range, ffn_tp: TPInfo,
+                 ep: EPInfo) -> None:
         super().__init__()
         first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
         if first:
             self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # Keyed by the global index, so names stay "model.layers.{i}.*" on every pipeline stage.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, rotary, tp, ffn_tp) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, rotary, tp, ffn_tp, ep) for i in layers})
         if last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
-                 ffn_tp: TPInfo | None = None) -> None:
+                 ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
         super().__init__()
         tp = tp or TPInfo()
         self.config, self.tp = cfg, tp
@@ -141,7 +143,7 @@ class CausalLM(nn.Module):
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == cfg.num_hidden_layers
         self.rotary = RotaryEmbedding(cfg)
-        self.model = Backbone(cfg, self.rotary, tp, self.layer_range, ffn_tp or tp)
+        self.model = Backbone(cfg, self.rotary, tp, self.layer_range, ffn_tp or tp, ep or EPInfo())
         if self.is_last and not (cfg.tie_word_embeddings and self.is_first):
             # Untied, or tied on a last stage without the embedding: the head loads its own vocab shard.
             self.lm_head = ColumnLinear(cfg.hidden_size, cfg.vocab_size, False, tp)

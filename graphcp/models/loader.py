@@ -15,6 +15,7 @@ from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.llama import CausalLM
+from graphcp.models.moe import EPInfo, Experts
 from graphcp.models.parallel import TPInfo
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -41,16 +42,21 @@ def _weight_files(model_path: str) -> dict[str, str]:
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
-               layers: range | None = None, ffn_tp: TPInfo | None = None, keep_fp8: bool | None = None) -> CausalLM:
-    """``keep_fp8`` (FP8 checkpoints): hold FP8 weights for the block-scaled GEMM instead of dequantizing
-    them at load; None = where that GEMM runs (``fp8.gemm_available``)."""
+               layers: range | None = None, ffn_tp: TPInfo | None = None, ep: EPInfo | None = None,
+               keep_fp8: bool | None = None) -> CausalLM:
+    """``ep``: this rank's experts (MoE). ``keep_fp8`` (FP8 checkpoints): hold FP8 weights for the
+    block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
     cfg = read_model_config(model_path)
     files = _weight_files(model_path)
     with torch.device("meta"):
         full = CausalLM(cfg)
-        model = CausalLM(cfg, tp, layers, ffn_tp)
+        model = CausalLM(cfg, tp, layers, ffn_tp, ep)
     quantized = set(fp8.quantized_names(full, cfg))
-    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files, quantized)
+    expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
+    for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
+        del expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"]
+        expected.update(experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size))
+    _check_names_and_shapes(cfg, expected, files, quantized)
     model = model.to_empty(device=device).to(dtype)
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
@@ -61,17 +67,19 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
     reader = _Reader(files)
+    expert_params = {f"{prefix}.{p}" for prefix, _ in _experts(model) for p in ("gate_up_proj", "down_proj")}
     with torch.no_grad():
         for name, param in model.state_dict().items():
+            if name in expert_params:
+                continue
             source = model.source_name(name)
             if source in quantized and not keep_fp8:
                 tensor = fp8.read_dequantized(reader.read, source, shards.get(name), cfg.fp8_block)
             else:
                 tensor = reader.read(source, shards.get(name))
-            finite = tensor.float() if tensor.dtype == fp8.FP8 else tensor
-            if tensor.is_floating_point() and not torch.isfinite(finite).all():
-                raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
-            param.copy_(tensor)
+            param.copy_(_finite(source, tensor))
+        for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
+            experts.load(prefix, set(files), lambda source, index: _finite(source, reader.take(source, index)))
     if quantized and keep_fp8:
         fp8.attach(model, cfg.fp8_block)
     model.fuse_projections()
@@ -81,6 +89,17 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     return model
 
 
+def _experts(model: CausalLM) -> list[tuple[str, Experts]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def _finite(source: str, tensor: torch.Tensor) -> torch.Tensor:
+    values = tensor.float() if tensor.dtype == fp8.FP8 else tensor
+    if tensor.is_floating_point() and not torch.isfinite(values).all():
+        raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
+    return tensor
+
+
 class _Reader:
     """Slices of checkpoint tensors by name (``fp8.read_dequantized`` reads a weight and its scales here)."""
 
@@ -88,8 +107,12 @@ class _Reader:
         self.files = files
 
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+        return self.take(name, lambda s: _read(s, shard))
+
+    def take(self, name: str, index) -> torch.Tensor:  # noqa: ANN001 - a slice index or a function of the slice
         with safe_open(self.files[name], framework="pt") as f:
-            return _read(f.get_slice(name), shard)
+            s = f.get_slice(name)
+            return index(s) if callable(index) else s[index]
 
 
 def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001

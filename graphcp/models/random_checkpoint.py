@@ -16,6 +16,11 @@ DEMO_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_
                   head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, hidden_act="silu")
 
+# The embedded MoE model (``--demo-model qwen3_moe``): Qwen3-MoE, 8 experts, top-2, every layer sparse.
+DEMO_QWEN3_MOE = dict(DEMO_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
 LLAMA_1B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=2048,
                 intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                 head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False,
@@ -31,7 +36,7 @@ def make_random_checkpoint(path: str, config: dict, seed: int = 0, dtype: torch.
                 return path
     os.makedirs(path, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
+    h = config["hidden_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
 
@@ -47,10 +52,9 @@ def make_random_checkpoint(path: str, config: dict, seed: int = 0, dtype: torch.
         tensors.update({
             p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
             p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
-            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter)})
-        if config["model_type"] == "qwen3":
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q)})
+        tensors.update(_ffn(config, p + "mlp.", rand))
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
             tensors[p + "self_attn.q_norm.weight"] = ones(hd)
             tensors[p + "self_attn.k_norm.weight"] = ones(hd)
         if config["model_type"] == "qwen2":
@@ -64,7 +68,27 @@ def make_random_checkpoint(path: str, config: dict, seed: int = 0, dtype: torch.
     return path
 
 
-def demo_checkpoint() -> str:
-    """The embedded default model: a small Qwen3-architecture checkpoint, generated once with seed 0."""
+def _ffn(config: dict, p: str, rand) -> dict:  # noqa: ANN001
+    """A dense gated MLP, or (Qwen3-MoE layers, as HF picks them) a router and per-expert MLPs."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    layer = int(p.split(".")[2])
+    sparse = config["model_type"] == "qwen3_moe" and layer not in config["mlp_only_layers"] \
+        and (layer + 1) % config["decoder_sparse_step"] == 0
+    if not sparse:
+        return {p + "gate_proj.weight": rand(inter, h), p + "up_proj.weight": rand(inter, h),
+                p + "down_proj.weight": rand(h, inter)}
+    inter = config["moe_intermediate_size"]
+    out = {p + "gate.weight": rand(config["num_experts"], h)}
+    for e in range(config["num_experts"]):
+        out.update({f"{p}experts.{e}.gate_proj.weight": rand(inter, h),
+                    f"{p}experts.{e}.up_proj.weight": rand(inter, h),
+                    f"{p}experts.{e}.down_proj.weight": rand(h, inter)})
+    return out
+
+
+def demo_checkpoint(model: str = "qwen3") -> str:
+    """The embedded default model, generated once with seed 0: a small Qwen3-architecture checkpoint,
+    or its Qwen3-MoE variant (``model="qwen3_moe"``)."""
     root = os.environ.get("GRAPHCP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphcp"))
-    return make_random_checkpoint(os.path.join(root, "demo-qwen3-random"), DEMO_QWEN3, seed=0)
+    config = DEMO_QWEN3_MOE if model == "qwen3_moe" else DEMO_QWEN3
+    return make_random_checkpoint(os.path.join(root, f"demo-{model}-random"), config, seed=0)

@@ -130,6 +130,10 @@ def run(argv: list[str]) -> int:
     print(f"host prep per batch ({prep['case']}, planner + descriptor fill, no ranks): "
           f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists")
     report["host_prep_us"] = prep["host_prep_us"]
+    moe = moe_traffic(args, cases, vocab)
+    if moe:
+        report["moe_traffic"] = moe
+        print(_moe_table(moe))
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump({k: v for k, v in report.items() if k != "table"} | {"config": args.to_dict()}, f, indent=2)
@@ -138,6 +142,60 @@ def run(argv: list[str]) -> int:
         _plot(results, ns.plot)
         print(f"wrote {ns.plot}")
     return 0
+
+
+def moe_traffic(args, cases: list[tuple[int, int]], vocab: int) -> list | None:  # noqa: ANN001
+    """MoE layouts: bytes each rank hands to the MoE collectives per MoE layer, for each token flow,
+    and the expert load (pairs per EP rank), as the communicators measure them on one eager forward
+    per case. None for dense models or a one-rank TP world."""
+    from graphcp import Engine, Request
+    from graphcp.models import read_model_config
+    if not read_model_config(args.model_path).moe_layers or args.tp_size == 1:
+        return None
+    gen = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+               for n, length in cases]
+    rows = []
+    for flow in ("none", "all_to_all"):
+        flow_args = dataclasses.replace(args, moe_a2a_backend=flow, disable_cuda_graph=True)
+        with Engine(flow_args) as engine:
+            for (n, length), batch in zip(cases, batches):
+                requests = [Request(f"m{i}", ids) for i, ids in enumerate(batch)]
+                before = engine.stats()["moe_traffic_per_rank"]
+                engine.prefill(requests)
+                for r in requests:
+                    engine.release(r.rid)
+                per_rank, load = _traffic_delta(before, engine.stats()["moe_traffic_per_rank"])
+                rows.append({"case": f"{n}x{length}", "flow": flow,
+                             "bytes_per_layer_per_rank": per_rank, "expert_load_per_ep_rank": load,
+                             "expert_load_max_over_mean": max(load) / (sum(load) / len(load))})
+    return rows
+
+
+def _traffic_delta(before: list[dict], after: list[dict]) -> tuple[list[dict], list[int]]:
+    """(each rank's bytes per collective per MoE layer, pairs per EP rank summed over ranks)."""
+    per_rank = []
+    for b, a in zip(before, after):
+        calls = a["layer_calls"] - b["layer_calls"]
+        per_rank.append({k: (v - b["bytes"].get(k, 0)) // calls for k, v in a["bytes"].items()})
+    deltas = [[x - y for x, y in zip(a["pairs_per_ep_rank"], b["pairs_per_ep_rank"])]
+              for b, a in zip(before, after)]
+    load = [sum(col) for col in zip(*deltas)]
+    return per_rank, load
+
+
+def _moe_table(rows: list[dict]) -> str:
+    lines = ["", "MoE bytes per layer per rank (max over ranks), measured in the communicators "
+                 "on an eager forward; expert load = pairs per EP rank, max/mean",
+             f"{'case':>7} {'flow':>10} {'KiB/layer':>10}  {'by collective (rank 0, KiB)':<66} "
+             f"{'load max/mean':>13}"]
+    for r in rows:
+        per_rank = r["bytes_per_layer_per_rank"]
+        worst = max(sum(d.values()) for d in per_rank) / 1024
+        parts = ", ".join(f"{k} {v / 1024:.1f}" for k, v in sorted(per_rank[0].items()))
+        lines.append(f"{r['case']:>7} {r['flow']:>10} {worst:>10.1f}  {parts:<66} "
+                     f"{r['expert_load_max_over_mean']:>13.3f}")
+    return "\n".join(lines)
 
 
 def _report(results: list[dict], balance_cp: int) -> dict:

@@ -12,6 +12,9 @@ def engine_parser(prog: str, description: str, cp_default: int) -> argparse.Argu
     """Engine flags (as EngineArgs.from_cli) with the embedded model as the default --model-path."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     EngineArgs.add_cli_args(parser, require_model=False)
+    parser.add_argument("--demo-model", default="qwen3", choices=("qwen3", "qwen3_moe"),
+                        help="the embedded random model used without --model-path (qwen3_moe: 8 experts, "
+                             "top-2, for --ep / --moe-a2a-backend)")
     if cp_default > 1:
         parser.set_defaults(tp_size=cp_default, attn_cp_size=cp_default, enable_prefill_cp=True, cp_strategy="zigzag")
     return parser
@@ -20,7 +23,7 @@ def engine_parser(prog: str, description: str, cp_default: int) -> argparse.Argu
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     if ns.model_path is None:
         from graphcp.models.random_checkpoint import demo_checkpoint
-        ns.model_path = demo_checkpoint()
+        ns.model_path = demo_checkpoint(getattr(ns, "demo_model", "qwen3"))
     if ns.attn_cp_size == 1:
         ns.enable_prefill_cp = False
     return EngineArgs.from_namespace(ns)

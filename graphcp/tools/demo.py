@@ -70,7 +70,8 @@ def run(argv: list[str]) -> int:
     for rid, new, cached, mode, bucket, ms, tps in rows:
         print(f"{rid:<8} {new:>5} {cached:>6} {mode:<6} {bucket if bucket else '-':>6} {ms:>9.1f} {tps:>9.0f}")
     if not ns.no_compare and args.cp_size > 1:
-        ref_args = dataclasses.replace(args, tp_size=1, attn_cp_size=1, enable_prefill_cp=False, cp_strategy=None)
+        ref_args = dataclasses.replace(args, tp_size=1, attn_cp_size=1, enable_prefill_cp=False, cp_strategy=None,
+                                       ep_size=1, moe_a2a_backend="none")
         with Engine(ref_args) as ref:
             _, ref_logits = run_loop(ref, batches, progress=False)
         err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, ref_logits))
