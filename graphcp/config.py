@@ -14,6 +14,9 @@ BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
 KERNELS = ("auto", "flashinfer", "triton", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+DISAGGREGATION_MODES = ("null", "prefill")
+TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
+TRANSFER_PROTOCOLS = ("auto", "tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class EngineArgs:
     rank_timeout_s: float = 60.0
     ffn_tp_size: int | None = None   # None = the TP world (SPEC); or tp / (dp x attn-cp-size) to keep the FFN
                                      # with attention TP: no layer communicator, FFN weights replicated per CP rank
+    disaggregation_mode: str = "null"            # "prefill": a PD prefill worker, engine.transfer_kv sends KV
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
+    disaggregation_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
@@ -87,6 +94,14 @@ class EngineArgs:
                 raise ConfigError("--cuda-graph-buckets must be positive token counts, e.g. 32 64 128")
         if self.rank_timeout_s <= 0:
             raise ConfigError("--rank-timeout must be > 0 seconds")
+        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        _choice("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        _choice("--disaggregation-transfer-protocol", self.disaggregation_transfer_protocol, TRANSFER_PROTOCOLS)
+        if self.disaggregation_transfer_backend == "mooncake_tcp" and self.disaggregation_transfer_protocol == "rdma":
+            raise ConfigError("--disaggregation-transfer-backend mooncake_tcp sends over tcp; drop "
+                              "--disaggregation-transfer-protocol rdma or use --disaggregation-transfer-backend mooncake")
+        if self.disaggregation_transfer_timeout_s <= 0:
+            raise ConfigError("--disaggregation-transfer-timeout must be > 0 seconds")
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
@@ -115,6 +130,14 @@ class EngineArgs:
 
     def resolved_backend(self) -> str:
         return "trtllm_mha" if self.attention_backend == "auto" else self.attention_backend
+
+    def resolved_transfer_protocol(self) -> str:
+        if self.disaggregation_transfer_backend == "mooncake_tcp":
+            return "tcp"
+        if self.disaggregation_transfer_protocol != "auto":
+            return self.disaggregation_transfer_protocol
+        rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
+        return "rdma" if rdma and self.resolved_device() == "cuda" else "tcp"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,6 +170,13 @@ class EngineArgs:
             help="seconds before a silent rank makes prefill fail")
         add("--ffn-tp-size", type=int, default=None,
             help="dense FFN TP size: the TP world (default) or the attention TP size (FFN replicated per CP rank)")
+
+        add("--disaggregation-mode", default="null", help="null | prefill (a PD prefill worker: transfer_kv)")
+        add("--disaggregation-transfer-backend", default="mooncake", help="mooncake | mooncake_tcp")
+        add("--disaggregation-transfer-protocol", default="auto",
+            help="auto (rdma on CUDA where an RDMA device exists, else tcp) | tcp | rdma")
+        add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float, default=30.0,
+            help="seconds a KV transfer may make no progress before it fails with TransferError")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":

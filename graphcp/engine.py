@@ -18,7 +18,7 @@ import torch.distributed as dist
 from graphcp.batch import PrefillOutput, Request
 from graphcp.config import EngineArgs
 from graphcp.dist.procs import child_env, free_port, rss_bytes
-from graphcp.errors import ConfigError, EngineDeadError, RequestError
+from graphcp.errors import ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")
 
@@ -151,6 +151,8 @@ class Engine:
             kinds = {k for k, _ in errors}
             if kinds == {"request_error"}:
                 raise RequestError(errors[0][1])
+            if kinds <= {"request_error", "transfer_error"}:      # PD: a failed transfer; the engine keeps serving
+                raise TransferError(next(p for k, p in errors if k == "transfer_error"))
             if kinds == {"config_error"}:
                 self.close()
                 raise ConfigError(errors[0][1])
@@ -185,6 +187,9 @@ class Engine:
             return _merge(cmd, self._everyone(runner.kv_cache(payload)))
         if cmd == "release":
             return runner.release(payload)
+        if cmd == "transfer_kv":                                 # PD (graphcp/pd/sender.py)
+            from graphcp.pd.sender import transfer_kv
+            return _merge(cmd, self._everyone(transfer_kv(runner, *payload)))
         if cmd == "stats":
             return _merge(cmd, self._everyone(runner.stats()))
         if cmd == "counters":
@@ -213,6 +218,16 @@ class Engine:
 
     def release(self, rid: str) -> None:
         self._call("release", rid)
+
+    def transfer_kv(self, rid: str, destination: dict) -> dict:
+        """Send ``rid``'s whole cache to a decode worker's ``KVReceiver.destination(rid)`` over Mooncake;
+        returns when it has arrived ({"bytes", "seconds", "ranks"}). Raises TransferError naming the request
+        on failure or timeout; the KV stays cached until ``release``."""
+        if self.args.disaggregation_mode != "prefill":
+            raise ConfigError("transfer_kv needs a prefill worker: start the engine with --disaggregation-mode "
+                              "prefill (EngineArgs disaggregation_mode='prefill')")
+        timeout = self.args.rank_timeout_s + self.args.disaggregation_transfer_timeout_s
+        return self._call("transfer_kv", (rid, destination), timeout=timeout)
 
     def stats(self) -> dict:
         return self._call("stats")
@@ -299,6 +314,9 @@ def _merge(cmd: str, replies: list[Any]) -> Any:
             shards = [kv for _, kv in sorted(by_layer[layer], key=lambda x: x[0])]
             out.append((torch.cat([k for k, _ in shards]), torch.cat([v for _, v in shards])))
         return out
+    if cmd == "transfer_kv":
+        from graphcp.pd.sender import merge_reports
+        return merge_reports(replies)
     if cmd == "stats":
         stats = dict(replies[0])
         stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]

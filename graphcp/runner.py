@@ -105,6 +105,8 @@ class ModelRunner:
         # Every rank mirrors every DP group's page table, so all ranks accept or refuse a batch alike.
         self.dp_pages = [PageTable(num_pages, args.page_size, self.max_context) for _ in range(args.dp_size)]
         self.pages = self.dp_pages[self.me.dp_rank]
+        from graphcp.pd.sender import start_sender
+        self.kv_sender = start_sender(self)      # PD prefill mode: Mooncake engine with the pool registered
         self.host = HostLengths()
         self.scale = cfg.head_dim ** -0.5
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from graphcp.config import EngineArgs
-from graphcp.errors import ConfigError, RequestError
+from graphcp.errors import ConfigError, RequestError, TransferError
 
 
 def rank_device(args: EngineArgs, rank: int) -> torch.device:
@@ -83,6 +83,9 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             elif cmd == "release":
                 runner.release(payload)
                 result = None
+            elif cmd == "transfer_kv":                           # PD (graphcp/pd/sender.py)
+                from graphcp.pd.sender import transfer_kv
+                result = transfer_kv(runner, *payload)
             elif cmd == "stats":
                 result = runner.stats()
             elif cmd == "counters":
@@ -94,6 +97,8 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             conn.send(("ok", result))
         except RequestError as e:
             conn.send(("request_error", str(e)))
+        except TransferError as e:
+            conn.send(("transfer_error", str(e)))
         except Exception as e:  # noqa: BLE001
             conn.send(("error", _describe(e)))
 

@@ -1,0 +1,148 @@
+"""PD disaggregation, prefill side: KV moved by Mooncake (tcp on 127.0.0.1) from a CP=2 zigzag engine's
+KV pools into a receiver process equals HF's cache, also after a second chunk; a receiver that is gone
+makes transfer_kv raise TransferError in bounded time, nothing leaks, and the engine keeps serving."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is not importable: pip install "
+                    "'graphcp[pd]' and apt-get install libibverbs1 librdmacm1 libnuma1 (README, PD section)")
+
+from conftest import cp_kwargs  # noqa: E402
+from graphcp import ConfigError, EngineArgs, Request, RequestError, TransferError  # noqa: E402
+from graphcp.pd import KVReceiver  # noqa: E402
+from hf_reference import rel_err  # noqa: E402
+from parity import TOL, random_ids  # noqa: E402
+
+VOCAB = 211
+TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def pd_engine(checkpoint, engines):
+    return engines.get(checkpoint, **cp_kwargs(2, disaggregation_mode="prefill",
+                                               disaggregation_transfer_timeout_s=TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def receiver(checkpoint):
+    with KVReceiver(checkpoint, max_tokens=256, max_requests=3) as rx:
+        yield rx
+
+
+def _check_received(rx, engine, oracle, path, rid, history):
+    """The receiver's copy equals HF's cache for the whole history and the engine's own cache bitwise."""
+    got, ours = rx.kv(rid), engine.kv_cache(rid)
+    _, ref = oracle(path, history)
+    assert len(got) == len(ref) == len(ours)
+    worst = 0.0
+    for layer, ((k, v), (k_ref, v_ref), (k_ours, v_ours)) in enumerate(zip(got, ref, ours)):
+        assert k.shape == k_ref.shape == (2, len(history), 32), f"{rid} layer {layer}: {tuple(k.shape)}"
+        worst = max(worst, rel_err(k, k_ref), rel_err(v, v_ref))
+        assert k.equal(k_ours) and v.equal(v_ours), f"{rid} layer {layer}: received KV differs from the pool"
+    assert worst <= TOL, f"{rid}: received KV rel err {worst:.2e} against HF"
+    return worst
+
+
+def _kv_bytes(tokens: int) -> int:
+    return 2 * 2 * tokens * 2 * 32 * 4          # layers x (k, v) x tokens x kv_heads x head_dim x fp32
+
+
+def test_transfer_matches_hf_with_a_second_chunk(pd_engine, receiver, checkpoint, oracle):
+    history = {"a": random_ids(45, VOCAB, 1), "b": random_ids(70, VOCAB, 2)}
+    out = pd_engine.prefill([Request(rid, ids) for rid, ids in history.items()])
+    assert out.cp_applied and out.per_rank_tokens == [58, 57]
+    for rid, ids in history.items():
+        report = pd_engine.transfer_kv(rid, receiver.destination(rid))
+        assert report["bytes"] == _kv_bytes(len(ids)) and report["ranks"] == 2   # each CP rank sent its layers
+        _check_received(receiver, pd_engine, oracle, checkpoint, rid, ids)
+    # A later chunk extends "a" (chunked prefill); the new transfer carries the whole cache again.
+    chunk = random_ids(33, VOCAB, 3)
+    out = pd_engine.prefill([Request("a", chunk)])
+    assert out.cp_applied
+    history["a"] += chunk
+    assert pd_engine.transfer_kv("a", receiver.destination("a"))["bytes"] == _kv_bytes(78)
+    _check_received(receiver, pd_engine, oracle, checkpoint, "a", history["a"])
+    for rid in history:
+        pd_engine.release(rid)
+        receiver.free(rid)
+    stats = pd_engine.stats()
+    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]
+
+
+def test_receiver_gone_raises_transfer_error_and_engine_keeps_serving(pd_engine, receiver, checkpoint, oracle):
+    gone = KVReceiver(checkpoint, max_tokens=256, max_requests=1)
+    pid = gone._proc.pid
+    ids = random_ids(40, VOCAB, 4)
+    pd_engine.prefill([Request("c", ids)])
+    destination = gone.destination("c")
+    gone.close()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    free_before = pd_engine.stats()["kv_tokens_free"]
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="'c'"):
+        pd_engine.transfer_kv("c", destination)
+    assert time.monotonic() - start < TIMEOUT_S + 5
+    # The request's KV stays until released, and the engine serves the next prefill and transfer.
+    assert pd_engine.stats()["kv_tokens_free"] == free_before
+    assert pd_engine.kv_cache("c")[0][0].shape == (2, 40, 32)
+    pd_engine.transfer_kv("c", receiver.destination("c"))
+    _check_received(receiver, pd_engine, oracle, checkpoint, "c", ids)
+    more = random_ids(50, VOCAB, 5)
+    assert pd_engine.prefill([Request("d", more)]).cp_applied
+    pd_engine.transfer_kv("d", receiver.destination("d"))
+    _check_received(receiver, pd_engine, oracle, checkpoint, "d", more)
+    for rid in ("c", "d"):
+        pd_engine.release(rid)
+        receiver.free(rid)
+    stats = pd_engine.stats()
+    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]
+
+
+def test_bad_transfers_name_the_request_or_key(pd_engine, receiver):
+    pd_engine.prefill([Request("e", random_ids(20, VOCAB, 6))])
+    with pytest.raises(RequestError, match="'nobody' is unknown"):
+        pd_engine.transfer_kv("nobody", receiver.destination("e"))
+    with pytest.raises(RequestError, match=r"destination\['rid'\]"):
+        pd_engine.transfer_kv("e", {**receiver.destination("x"), "rid": "x"})
+    with pytest.raises(RequestError, match="no 'session' key"):
+        pd_engine.transfer_kv("e", {k: v for k, v in receiver.destination("e").items() if k != "session"})
+    with pytest.raises(RequestError, match=r"destination\['max_tokens'\]"):
+        pd_engine.transfer_kv("e", {**receiver.destination("e"), "max_tokens": 8})
+    with pytest.raises(RequestError, match=r"destination\['num_kv_heads'\]"):
+        pd_engine.transfer_kv("e", {**receiver.destination("e"), "num_kv_heads": 4})
+    with pytest.raises(TransferError, match="'e': KV incomplete"):
+        receiver.kv("e")                      # nothing was written: the header says so
+    pd_engine.release("e")
+    for rid in ("e", "x"):
+        receiver.free(rid)
+
+
+def test_transfer_needs_prefill_mode(checkpoint, engines):
+    engine = engines.get(checkpoint)
+    with pytest.raises(ConfigError, match="--disaggregation-mode prefill"):
+        engine.transfer_kv("a", {})
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(disaggregation_mode="decode"), "--disaggregation-mode"),
+    (dict(disaggregation_transfer_backend="nixl"), "--disaggregation-transfer-backend"),
+    (dict(disaggregation_transfer_protocol="ucx"), "--disaggregation-transfer-protocol"),
+    (dict(disaggregation_transfer_backend="mooncake_tcp", disaggregation_transfer_protocol="rdma"),
+     "--disaggregation-transfer-protocol"),
+    (dict(disaggregation_transfer_timeout_s=0), "--disaggregation-transfer-timeout"),
+])
+def test_bad_pd_flags_name_the_flag(checkpoint, kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        EngineArgs(model_path=checkpoint, **kwargs)
+
+
+def test_pd_cli_flags(checkpoint):
+    args = EngineArgs.from_cli(["--model-path", checkpoint, "--disaggregation-mode", "prefill",
+                                "--disaggregation-transfer-backend", "mooncake_tcp",
+                                "--disaggregation-transfer-timeout", "7"])
+    assert args.disaggregation_mode == "prefill" and args.resolved_transfer_protocol() == "tcp"
+    assert args.disaggregation_transfer_timeout_s == 7.0
