@@ -4,6 +4,7 @@ makes transfer_kv raise TransferError in bounded time, nothing leaks, and the en
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -18,7 +19,7 @@ from hf_reference import rel_err  # noqa: E402
 from parity import TOL, random_ids  # noqa: E402
 
 VOCAB = 211
-TIMEOUT_S = 5.0
+TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,26 @@ def test_receiver_gone_raises_transfer_error_and_engine_keeps_serving(pd_engine,
         receiver.free(rid)
     stats = pd_engine.stats()
     assert stats["kv_tokens_free"] == stats["kv_tokens_total"]
+
+
+def test_hung_receiver_times_out(pd_engine, receiver, checkpoint, oracle):
+    """A receiver that stops answering (SIGSTOP) fails the transfer after --disaggregation-transfer-timeout."""
+    ids = random_ids(30, VOCAB, 7)
+    pd_engine.prefill([Request("h", ids)])
+    with KVReceiver(checkpoint, max_tokens=64, max_requests=1) as hung:
+        destination = hung.destination("h")
+        os.kill(hung._proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="'h'"):
+                pd_engine.transfer_kv("h", destination)
+            assert TIMEOUT_S - 0.5 < time.monotonic() - start < TIMEOUT_S + 5
+        finally:
+            os.kill(hung._proc.pid, signal.SIGCONT)
+    pd_engine.transfer_kv("h", receiver.destination("h"))
+    _check_received(receiver, pd_engine, oracle, checkpoint, "h", ids)
+    pd_engine.release("h")
+    receiver.free("h")
 
 
 def test_bad_transfers_name_the_request_or_key(pd_engine, receiver):

@@ -5,6 +5,8 @@ import os
 
 from graphcp.errors import ConfigError
 
+READY = "graphcp-kv-receiver"      # the line a receiver process prints once its engine listens
+
 SETUP_HINT = ("install it with: pip install 'graphcp[pd]' (mooncake-transfer-engine-non-cuda on CPU), after "
               "the system libraries it links: apt-get install -y libibverbs1 librdmacm1 libnuma1 (as root; "
               "otherwise ask an administrator or use a conda env providing rdma-core and numactl)")

@@ -6,9 +6,7 @@ import sys
 
 import torch
 
-from graphcp.pd.mooncake import session_of, start_engine
-
-READY = "graphcp-kv-receiver"
+from graphcp.pd.mooncake import READY, session_of, start_engine
 
 
 def main() -> None:

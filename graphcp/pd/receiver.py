@@ -21,8 +21,7 @@ from graphcp.dist.procs import child_env
 from graphcp.errors import ConfigError, RequestError, TransferError
 from graphcp.models import read_model_config
 from graphcp.pd.layout import DTYPES, SlotLayout, destination_dict
-from graphcp.pd.mooncake import transfer_engine_class
-from graphcp.pd.receive_process import READY
+from graphcp.pd.mooncake import READY, transfer_engine_class
 
 
 

@@ -8,6 +8,7 @@ only the DP group holding the request sends. Each rank writes its data, then its
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -23,7 +24,7 @@ from graphcp.pd.mooncake import start_engine
 class KVSender:
     def __init__(self, pool: KVPool, stage_layers: range, num_layers: int, num_kv_heads: int, cp_size: int,
                  cp_rank: int, attn_tp_rank: int, protocol: str, timeout_s: float) -> None:
-        self.pool, self.protocol = pool, protocol
+        self.pool, self.protocol, self.timeout_s = pool, protocol, timeout_s
         self.model = (num_layers, num_kv_heads, pool.k.shape[-1], _dtype_name(pool.k.dtype))
         start, end = shard_range(len(stage_layers), cp_size, cp_rank)
         self.layers = range(stage_layers.start + start, stage_layers.start + end)
@@ -87,7 +88,19 @@ class KVSender:
         return src, dst, lengths
 
     def _write(self, rid: str, session: str, src: list, dst: list, lengths: list, what: str) -> None:
-        code = self.engine.batch_transfer_sync_write(session, src, dst, lengths)
+        """One batch of Mooncake writes, waited for at most the transfer timeout. Mooncake bounds a stalled
+        data stream itself, but not its handshake with a peer that accepts and never answers (a frozen
+        process): that call is left behind in its thread, which ends when the peer's socket closes."""
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(
+            self.engine.batch_transfer_sync_write(session, src, dst, lengths)), name="graphcp-kv-send", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not result:
+            raise TransferError(f"request {rid!r}: Mooncake write of {what} to {session} did not complete within "
+                                f"{self.timeout_s:g} s (--disaggregation-transfer-timeout); the KV stays cached "
+                                f"until released")
+        code = result[0]
         if code != 0:
             raise TransferError(f"request {rid!r}: Mooncake write of {what} ({sum(lengths)} bytes in {len(src)} "
                                 f"pieces) to {session} failed with code {code}; the KV stays cached until released")
