@@ -167,3 +167,37 @@ def test_pd_cli_flags(checkpoint):
                                 "--disaggregation-transfer-timeout", "7"])
     assert args.disaggregation_mode == "prefill" and args.resolved_transfer_protocol() == "tcp"
     assert args.disaggregation_transfer_timeout_s == 7.0
+
+
+def test_senders_split_heads_layers_and_pages(checkpoint):
+    """Attention-TP ranks send their heads (one write per token), pipeline stages and CP ranks their layers,
+    pages read in place wherever they lie in the pool: the receiver assembles the whole cache."""
+    import torch
+
+    from graphcp.kv import KVPool, RequestKV
+    from graphcp.pd.sender import KVSender
+    layers, heads, head_dim, page = 2, 2, 32, 4
+    tokens = 11
+    k_full = torch.randn(layers, heads, tokens, head_dim)
+    v_full = torch.randn(layers, heads, tokens, head_dim)
+    state = RequestKV(pages=[5, 2, 7], cached_len=tokens)        # scattered pages, the last one partial
+    slots = torch.tensor([p * page + i for p in state.pages for i in range(page)][:tokens])
+    senders = []
+    for tp_rank in range(2):                          # attention TP 2 x pipeline 2: one layer and one head each
+        for stage in range(2):
+            pool = KVPool(1, 8, page, 1, head_dim, torch.float32, torch.device("cpu"), layer_offset=stage)
+            pool.write(stage, slots, k_full[stage, tp_rank:tp_rank + 1].transpose(0, 1),
+                       v_full[stage, tp_rank:tp_rank + 1].transpose(0, 1))
+            senders.append(KVSender(pool, range(stage, stage + 1), layers, heads, cp_size=1, cp_rank=0,
+                                    attn_tp_rank=tp_rank, protocol="tcp", timeout_s=TIMEOUT_S))
+    with KVReceiver(checkpoint, max_tokens=16, max_requests=1) as rx:
+        destination = rx.destination("s")
+        for i, sender in enumerate(senders):
+            report = sender.send("s", state, destination)
+            assert report["bytes"] == 2 * tokens * head_dim * 4
+            if i < len(senders) - 1:
+                with pytest.raises(TransferError, match="KV incomplete"):
+                    rx.kv("s")                    # parts still missing: the header says which
+        got = rx.kv("s")
+    for layer, (k, v) in enumerate(got):
+        assert k.equal(k_full[layer]) and v.equal(v_full[layer])
