@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")        # as graphcp sets it before its own import of mooncake
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is not importable: pip install "
                     "'graphcp[pd]' and apt-get install libibverbs1 librdmacm1 libnuma1 (README, PD section)")
 
@@ -201,3 +202,16 @@ def test_senders_split_heads_layers_and_pages(checkpoint):
         got = rx.kv("s")
     for layer, (k, v) in enumerate(got):
         assert k.equal(k_full[layer]) and v.equal(v_full[layer])
+
+
+def test_pd_bench_cli(checkpoint, tmp_path, capsys):
+    import json
+
+    from graphcp.tools.cli import main
+    out = tmp_path / "pd.json"
+    assert main(["pd-bench", "--model-path", checkpoint, "--tp", "1", "--attn-cp-size", "1", "--tokens", "40", "--reps",
+                 "2", "--disable-cuda-graph", "--json", str(out)]) == 0
+    case = json.loads(out.read_text())["cases"][0]
+    assert case["tokens"] == 40 and case["bytes"] == _kv_bytes(40) and case["sending_ranks"] == 1
+    assert case["gb_per_s"] > 0 and case["prefill_end_to_received_ms"] >= case["rank_write_ms"] > 0
+    assert "prefill end -> received ms" in capsys.readouterr().out
