@@ -25,7 +25,7 @@ TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def pd_engine(checkpoint, engines):
-    return engines.get(checkpoint, **cp_kwargs(2, disaggregation_mode="prefill",
+    return engines.get(checkpoint, **cp_kwargs(2, disaggregation_mode="prefill", cuda_graph_buckets=[32, 64],
                                                disaggregation_transfer_timeout_s=TIMEOUT_S))
 
 
