@@ -45,6 +45,7 @@ class EngineArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
     disaggregation_transfer_timeout_s: float = 30.0
+    enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
@@ -102,6 +103,14 @@ class EngineArgs:
                               "--disaggregation-transfer-protocol rdma or use --disaggregation-transfer-backend mooncake")
         if self.disaggregation_transfer_timeout_s <= 0:
             raise ConfigError("--disaggregation-transfer-timeout must be > 0 seconds")
+        if self.enable_dsa_cache_layer_split:
+            if self.disaggregation_mode != "prefill":
+                raise ConfigError("--enable-dsa-cache-layer-split needs --disaggregation-mode prefill")
+            if self.cp_size < 2 or self.cp_strategy != "interleave":
+                raise ConfigError("--enable-dsa-cache-layer-split needs --enable-prefill-cp with --cp-strategy "
+                                  "interleave and --attn-cp-size >= 2")
+            if self.pp_size != 1:
+                raise ConfigError("--enable-dsa-cache-layer-split needs --pp 1")
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
@@ -177,6 +186,8 @@ class EngineArgs:
             help="auto (rdma on CUDA where an RDMA device exists, else tcp) | tcp | rdma")
         add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float, default=30.0,
             help="seconds a KV transfer may make no progress before it fails with TransferError")
+        add("--enable-dsa-cache-layer-split", action="store_true",
+            help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -304,7 +304,7 @@ def _merge(cmd: str, replies: list[Any]) -> Any:
                              cp_applied=all(o.cp_applied for o in outs if o.request_indices),
                              per_rank_tokens=[n for o in outs for n in o.per_rank_tokens])
     if cmd == "kv_cache":
-        parts = [p for p in replies if p is not None and p["cp_rank"] == 0]
+        parts = [p for p in replies if p is not None and (p["cp_rank"] == 0 or p["layer_split"])]
         by_layer: dict[int, list[tuple[int, tuple]]] = {}
         for part in parts:
             for i, kv in enumerate(part["layers"]):
@@ -321,5 +321,6 @@ def _merge(cmd: str, replies: list[Any]) -> Any:
         stats = dict(replies[0])
         stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]
         stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
+        stats["kv_bytes_per_rank"] = [r["kv_bytes"] for r in replies]
         return stats
     return replies[0]

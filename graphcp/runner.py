@@ -18,7 +18,7 @@ from graphcp.batch import PrefillOutput, Request, validate_requests
 from graphcp.config import EngineArgs
 from graphcp.cp.strategy import ContextParallelStrategy, InterleaveStrategy, make_strategy, unsharded
 from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce, recv, send
-from graphcp.dist.topology import Groups, build_groups, rank_info
+from graphcp.dist.topology import Groups, build_groups, rank_info, rank_of
 from graphcp.errors import ConfigError, RequestError
 from graphcp.models.parallel import TPInfo, shard_range
 from graphcp.forward_context import forward_context
@@ -100,8 +100,15 @@ class ModelRunner:
             if rank == 0:
                 log.warning("graphcp: the model attends through a %d-token sliding window, which graphcp does not "
                             "implement: requests are limited to %d tokens", cfg.sliding_window, cfg.sliding_window)
-        self.pool = KVPool(len(self.layers), num_pages, args.page_size, cfg.num_key_value_heads // atp, cfg.head_dim,
-                           self.dtype, self.device, layer_offset=self.layers.start)
+        pool_shape = (len(self.layers), num_pages, args.page_size, cfg.num_key_value_heads // atp, cfg.head_dim,
+                      self.dtype, self.device)
+        if args.enable_dsa_cache_layer_split:     # PD LayerSplit: this CP rank's layers + one scratch layer
+            from graphcp.pd.layer_split import LayerSplitPool
+            cp_ranks = [rank_of(args, self.me.pp_rank, self.me.dp_rank, c, self.me.attn_tp_rank)
+                        for c in range(args.cp_size)]
+            self.pool = LayerSplitPool(*pool_shape, groups.cp, cp_ranks, self.me.cp_rank)
+        else:
+            self.pool = KVPool(*pool_shape, layer_offset=self.layers.start)
         # Every rank mirrors every DP group's page table, so all ranks accept or refuse a batch alike.
         self.dp_pages = [PageTable(num_pages, args.page_size, self.max_context) for _ in range(args.dp_size)]
         self.pages = self.dp_pages[self.me.dp_rank]
@@ -281,6 +288,7 @@ class ModelRunner:
 
     def _run(self, plan: _Plan, count_host_ops: bool) -> tuple[torch.Tensor, int]:
         rows = self.pages.rows(plan.rids)
+        self.pool.begin_batch(rows, plan.prefix_lens)
         self._set_host(plan.strategy, plan.extend_lens, plan.prefix_lens)
         if plan.bucket is not None:
             return self.graphs.replay(plan.bucket, plan.extend_lens, plan.prefix_lens, rows, plan.ids,
@@ -310,11 +318,12 @@ class ModelRunner:
         pos = torch.arange(state.cached_len)
         slots = (torch.tensor(state.pages, dtype=torch.long)[pos // ps] * ps + pos % ps).to(self.device)
         layers = []
-        for layer in self.layers:
+        held = self.pool.held_layers(self.layers)       # LayerSplit: only this CP rank's layers
+        for layer in held:
             k, v = self.pool.read(layer, slots)
             layers.append((k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()))
-        return {"first_layer": self.layers.start, "attn_tp_rank": self.me.attn_tp_rank, "cp_rank": self.me.cp_rank,
-                "layers": layers}
+        return {"first_layer": held.start, "attn_tp_rank": self.me.attn_tp_rank, "cp_rank": self.me.cp_rank,
+                "layers": layers, "layer_split": held != self.layers}
 
     def release(self, rid: str) -> None:
         owner = next((pages for pages in self.dp_pages if rid in pages.requests), None)
@@ -325,6 +334,7 @@ class ModelRunner:
     def stats(self) -> dict:
         return {"kv_tokens_total": sum(p.tokens_total for p in self.dp_pages),
                 "kv_tokens_free": sum(p.tokens_free for p in self.dp_pages),
+                "kv_bytes": self.pool.nbytes,
                 "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "graph_buckets": self.graphs.buckets if self.graphs else [],

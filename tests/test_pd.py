@@ -215,3 +215,41 @@ def test_pd_bench_cli(checkpoint, tmp_path, capsys):
     assert case["tokens"] == 40 and case["bytes"] == _kv_bytes(40) and case["sending_ranks"] == 1
     assert case["gb_per_s"] > 0 and case["prefill_end_to_received_ms"] >= case["rank_write_ms"] > 0
     assert "prefill end -> received ms" in capsys.readouterr().out
+
+
+def test_layer_split_matches_hf_and_holds_its_layers_only(ckpt_dir, engines, oracle):
+    """--enable-dsa-cache-layer-split at CP=2 interleave: outputs and KV equal HF (a second chunk fetches the
+    prefix of the other rank's layers), each rank holds 2 of 4 layers plus one scratch layer, and each rank
+    sends its own layers."""
+    from hf_reference import make_checkpoint
+    from parity import Session
+    path = str(ckpt_dir / "qwen3-4layers")
+    if not os.path.isdir(path):
+        make_checkpoint(path, "qwen3", num_hidden_layers=4)
+    engine = engines.get(path, **cp_kwargs(2, "interleave", disaggregation_mode="prefill",
+                                           enable_dsa_cache_layer_split=True))
+    s = Session(engine, oracle, path)
+    s.run([("p", random_ids(37, VOCAB, 8)), ("q", random_ids(20, VOCAB, 9))])
+    s.run([("p", random_ids(29, VOCAB, 10)), ("r", random_ids(11, VOCAB, 11))])     # chunked + fresh
+    stats = engine.stats()
+    slots = stats["kv_tokens_total"] + 16                                             # + the dummy page
+    unsplit = 4 * 2 * slots * 2 * 32 * 4
+    assert stats["kv_bytes_per_rank"] == [unsplit * 3 // 4] * 2
+    with KVReceiver(path, max_tokens=128, max_requests=1) as rx:
+        report = engine.transfer_kv("p", rx.destination("p"))
+        assert report["ranks"] == 2 and report["bytes"] == 4 * 2 * 66 * 2 * 32 * 4
+        _, ref = oracle(path, s.history["p"])
+        for (k, v), (k_ref, v_ref) in zip(rx.kv("p"), ref):
+            assert rel_err(k, k_ref) <= TOL and rel_err(v, v_ref) <= TOL
+    s.release_all()
+    assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
+
+
+def test_layer_split_flag_needs_prefill_interleave_pp1(checkpoint):
+    base = dict(model_path=checkpoint, enable_dsa_cache_layer_split=True, **cp_kwargs(2, "interleave"))
+    with pytest.raises(ConfigError, match="--disaggregation-mode prefill"):
+        EngineArgs(**base)
+    with pytest.raises(ConfigError, match="--cp-strategy interleave"):
+        EngineArgs(**{**base, "cp_strategy": "zigzag", "disaggregation_mode": "prefill"})
+    with pytest.raises(ConfigError, match="--pp 1"):
+        EngineArgs(**base, disaggregation_mode="prefill", pp_size=2)
