@@ -4,17 +4,34 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.graphcp-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test bench profile soak gpu-check clean
+.PHONY: setup demo test bench profile soak gpu-check clean pd-system-libs
 
 $(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory pd-system-libs
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine.
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,pd]"
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The Mooncake Transfer Engine ([pd] extra) links these at import. Installed here when running as root
+# (CI); a non-root user is told the one command to ask for. Without them the PD tests skip.
+PD_LIBS := libibverbs1 librdmacm1 libnuma1
+LDCONFIG := $(shell command -v ldconfig || echo /sbin/ldconfig)
+pd-system-libs:
+	@missing=""; for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do \
+	    $(LDCONFIG) -p | grep -q "$$lib" || missing="$$missing $$lib"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(PD_LIBS) for the Mooncake Transfer Engine"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(PD_LIBS)) || \
+	        echo "note: apt-get failed; the PD (Mooncake) tests will skip"; \
+	else \
+	    echo "note: missing$$missing; the PD (Mooncake) tests will skip. Run: sudo apt-get install -y $(PD_LIBS)"; \
+	fi
 
 demo: $(STAMP)
 	$(PY) -m graphcp demo

@@ -2,7 +2,8 @@
 from graphcp.batch import PrefillOutput, Request
 from graphcp.config import EngineArgs
 from graphcp.engine import Engine
-from graphcp.errors import ConfigError, EngineDeadError, RequestError
+from graphcp.errors import ConfigError, EngineDeadError, RequestError, TransferError
 
-__all__ = ["EngineArgs", "Engine", "Request", "PrefillOutput", "ConfigError", "RequestError", "EngineDeadError"]
+__all__ = ["EngineArgs", "Engine", "Request", "PrefillOutput", "ConfigError", "RequestError", "EngineDeadError",
+           "TransferError"]
 __version__ = "0.1.0"

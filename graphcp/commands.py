@@ -20,12 +20,18 @@ def _release(runner, rid: str) -> None:  # noqa: ANN001
     runner.release(rid)
 
 
+def _transfer_kv(runner, payload: tuple) -> dict | None:  # noqa: ANN001
+    from graphcp.pd.sender import transfer_kv
+    return transfer_kv(runner, *payload)
+
+
 COMMANDS: dict[str, Callable[[Any, Any], Any]] = {
     "prefill": _prefill,
     "kv_cache": lambda runner, rid: runner.kv_cache(rid),
     "release": _release,
     "stats": lambda runner, _: runner.stats(),
     "counters": lambda runner, _: runner.collective_counts(),
+    "transfer_kv": _transfer_kv,                # PD prefill worker (graphcp/pd/sender.py)
 }
 
 
@@ -45,13 +51,17 @@ def merge(cmd: str, replies: list[Any]) -> Any:
     pipeline stage and attention-TP rank, rank 0's stats with each rank's weight bytes."""
     if cmd == "prefill":
         return _merge_prefill([r for r in replies if r is not None])
-    if cmd == "kv_cache":
-        return _merge_kv([p for p in replies if p is not None and p["cp_rank"] == 0])
+    if cmd == "kv_cache":      # CP ranks hold the same cache, except under LayerSplit (each its own layers)
+        return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["layer_split"])])
+    if cmd == "transfer_kv":
+        from graphcp.pd.sender import merge_reports
+        return merge_reports(replies)
     if cmd == "stats":
         stats = dict(replies[0])
         stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]
         stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
         stats["moe_traffic_per_rank"] = [r.get("moe_traffic") for r in replies]   # MoE token flows
+        stats["kv_bytes_per_rank"] = [r["kv_bytes"] for r in replies]
         return stats
     return replies[0]
 

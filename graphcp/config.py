@@ -15,6 +15,9 @@ KERNELS = ("auto", "flashinfer", "triton", "torch")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 MOE_A2A_BACKENDS = ("none", "all_to_all")
+DISAGGREGATION_MODES = ("null", "prefill")
+TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp")
+TRANSFER_PROTOCOLS = ("auto", "tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class EngineArgs:
                                      # with attention TP: no layer communicator, FFN weights replicated per CP rank
     ep_size: int = 1                 # expert parallelism: experts split over ep ranks of the TP world
     moe_a2a_backend: str = "none"    # MoE token flow: none (gather / reduce-scatter) | all_to_all
+    disaggregation_mode: str = "null"            # "prefill": a PD prefill worker, engine.transfer_kv sends KV
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
+    disaggregation_transfer_timeout_s: float = 30.0
+    enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
@@ -94,6 +102,22 @@ class EngineArgs:
                 raise ConfigError("--cuda-graph-buckets must be positive token counts, e.g. 32 64 128")
         if self.rank_timeout_s <= 0:
             raise ConfigError("--rank-timeout must be > 0 seconds")
+        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        _choice("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        _choice("--disaggregation-transfer-protocol", self.disaggregation_transfer_protocol, TRANSFER_PROTOCOLS)
+        if self.disaggregation_transfer_backend == "mooncake_tcp" and self.disaggregation_transfer_protocol == "rdma":
+            raise ConfigError("--disaggregation-transfer-backend mooncake_tcp sends over tcp; drop "
+                              "--disaggregation-transfer-protocol rdma or use --disaggregation-transfer-backend mooncake")
+        if self.disaggregation_transfer_timeout_s <= 0:
+            raise ConfigError("--disaggregation-transfer-timeout must be > 0 seconds")
+        if self.enable_dsa_cache_layer_split:
+            if self.disaggregation_mode != "prefill":
+                raise ConfigError("--enable-dsa-cache-layer-split needs --disaggregation-mode prefill")
+            if self.cp_size < 2 or self.cp_strategy != "interleave":
+                raise ConfigError("--enable-dsa-cache-layer-split needs --enable-prefill-cp with --cp-strategy "
+                                  "interleave and --attn-cp-size >= 2")
+            if self.pp_size != 1:
+                raise ConfigError("--enable-dsa-cache-layer-split needs --pp 1")
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
@@ -126,6 +150,14 @@ class EngineArgs:
 
     def resolved_backend(self) -> str:
         return "trtllm_mha" if self.attention_backend == "auto" else self.attention_backend
+
+    def resolved_transfer_protocol(self) -> str:
+        if self.disaggregation_transfer_backend == "mooncake_tcp":
+            return "tcp"
+        if self.disaggregation_transfer_protocol != "auto":
+            return self.disaggregation_transfer_protocol
+        rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
+        return "rdma" if rdma and self.resolved_device() == "cuda" else "tcp"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,6 +194,15 @@ class EngineArgs:
             help="expert-parallel size: experts split over ep ranks, expert TP = tp / ep")
         add("--moe-a2a-backend", default="none",
             help="MoE token flow: none (all-gather, local experts, reduce-scatter) | all_to_all (dispatch/combine)")
+
+        add("--disaggregation-mode", default="null", help="null | prefill (a PD prefill worker: transfer_kv)")
+        add("--disaggregation-transfer-backend", default="mooncake", help="mooncake | mooncake_tcp")
+        add("--disaggregation-transfer-protocol", default="auto",
+            help="auto (rdma on CUDA where an RDMA device exists, else tcp) | tcp | rdma")
+        add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float, default=30.0,
+            help="seconds a KV transfer may make no progress before it fails with TransferError")
+        add("--enable-dsa-cache-layer-split", action="store_true",
+            help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":

@@ -19,7 +19,7 @@ from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
 from graphcp.dist.procs import child_env, free_port, rss_bytes
-from graphcp.errors import ConfigError, EngineDeadError, RequestError
+from graphcp.errors import ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")
 
@@ -152,6 +152,8 @@ class Engine:
             kinds = {k for k, _ in errors}
             if kinds == {"request_error"}:
                 raise RequestError(errors[0][1])
+            if kinds <= {"request_error", "transfer_error"}:      # PD: a failed transfer; the engine keeps serving
+                raise TransferError(next(p for k, p in errors if k == "transfer_error"))
             if kinds == {"config_error"}:
                 self.close()
                 raise ConfigError(errors[0][1])
@@ -198,6 +200,16 @@ class Engine:
 
     def release(self, rid: str) -> None:
         self._call("release", rid)
+
+    def transfer_kv(self, rid: str, destination: dict) -> dict:
+        """Send ``rid``'s whole cache to a decode worker's ``KVReceiver.destination(rid)`` over Mooncake;
+        returns when it has arrived ({"bytes", "seconds", "ranks"}). Raises TransferError naming the request
+        on failure or timeout; the KV stays cached until ``release``."""
+        if self.args.disaggregation_mode != "prefill":
+            raise ConfigError("transfer_kv needs a prefill worker: start the engine with --disaggregation-mode "
+                              "prefill (EngineArgs disaggregation_mode='prefill')")
+        timeout = self.args.rank_timeout_s + self.args.disaggregation_transfer_timeout_s
+        return self._call("transfer_kv", (rid, destination), timeout=timeout)
 
     def stats(self) -> dict:
         return self._call("stats")

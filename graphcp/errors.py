@@ -12,3 +12,8 @@ class RequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """A rank died or stopped answering; the engine must be shut down."""
+
+
+class TransferError(RuntimeError):
+    """A KV transfer to a decode worker failed or timed out; the message names the request. The engine keeps
+    serving and the request's KV stays cached until released."""

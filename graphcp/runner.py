@@ -31,6 +31,7 @@ from graphcp.models import fp8, load_model, read_model_config
 from graphcp.models.config import check_expert_parallel
 from graphcp.models.moe import probe_experts
 from graphcp.models.layers import probe_layer_kernels
+from graphcp.pd.sender import start_sender
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range
 
@@ -72,11 +73,16 @@ class ModelRunner:
                            cfg.max_position_embeddings, args.max_batch_requests, args.page_size)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = context_limit(cfg.max_position_embeddings, tokens, cfg.sliding_window, rank == 0)
-        self.pool = KVPool(len(self.layers), num_pages, args.page_size, heads[1], cfg.head_dim, self.dtype,
-                           self.device, layer_offset=self.layers.start, write_kernel=kv_write_kernel(self.device))
+        pool_shape = (len(self.layers), num_pages, args.page_size, heads[1], cfg.head_dim, self.dtype, self.device)
+        if args.enable_dsa_cache_layer_split:     # PD LayerSplit: this CP rank's layers + one scratch layer
+            from graphcp.pd.layer_split import LayerSplitPool
+            self.pool = LayerSplitPool(*pool_shape, par.groups.cp, par.cp_ranks, self.me.cp_rank)
+        else:
+            self.pool = KVPool(*pool_shape, layer_offset=self.layers.start, write_kernel=kv_write_kernel(self.device))
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, self.me.dp_rank, cfg.vocab_size,
                                num_pages, args.page_size, self.max_context, args.max_batch_requests)
         self.scale = cfg.head_dim ** -0.5
+        self.kv_sender = start_sender(self)      # PD prefill mode: a Mooncake engine with the pool registered
 
         self.graph_reason = config_ineligibility(args, self.backend)
         self.graphs: GraphRunner | None = None
@@ -182,6 +188,7 @@ class ModelRunner:
 
     def _run(self, plan: BatchPlan, count_ops: bool) -> tuple[torch.Tensor | None, int]:
         rows = self.planner.pages.rows(plan.rids)
+        self.pool.begin_batch(rows, plan.prefix_lens)
         ext, prefix, ids = plan.extend_lens, plan.prefix_lens, plan.ids
         n = len(plan.rids)
         if n == 0:   # an empty DP group: one zero-length padding request
@@ -209,11 +216,12 @@ class ModelRunner:
             return None
         slots = slots.to(self.device)
         layers = []
-        for layer in self.layers:
+        held = self.pool.held_layers(self.layers)       # LayerSplit: only this CP rank's layers
+        for layer in held:
             k, v = self.pool.read(layer, slots)
             layers.append((k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()))
-        return {"first_layer": self.layers.start, "attn_tp_rank": self.me.attn_tp_rank,
-                "cp_rank": self.me.cp_rank, "layers": layers}
+        return {"first_layer": held.start, "attn_tp_rank": self.me.attn_tp_rank,
+                "cp_rank": self.me.cp_rank, "layers": layers, "layer_split": held != self.layers}
 
     def release(self, rid: str) -> None:
         self.planner.release(rid)
@@ -221,6 +229,7 @@ class ModelRunner:
     def stats(self) -> dict:
         graphs = self.graphs
         return {"kv_tokens_total": self.planner.tokens_total, "kv_tokens_free": self.planner.tokens_free,
+                "kv_bytes": self.pool.nbytes,
                 "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "graph_buckets": graphs.buckets if graphs else [],

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from graphcp.commands import execute
 from graphcp.config import EngineArgs
-from graphcp.errors import ConfigError, RequestError
+from graphcp.errors import ConfigError, RequestError, TransferError
 
 
 def rank_device(args: EngineArgs, rank: int) -> torch.device:
@@ -79,6 +79,8 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             conn.send(("ok", execute(runner, cmd, payload, over_ipc=True)))
         except RequestError as e:
             conn.send(("request_error", str(e)))
+        except TransferError as e:
+            conn.send(("transfer_error", str(e)))
         except Exception as e:  # noqa: BLE001
             conn.send(("error", _describe(e)))
 

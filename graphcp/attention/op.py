@@ -66,6 +66,7 @@ class PagedAttention:
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta, pool = self.meta, self.pool
+        pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
         if meta.cp_size > 1:
             local = torch.stack((k, v), dim=1)                                     # [B, 2, Hkv, D]
             gathered = local.new_empty((meta.cp_size * local.shape[0],) + local.shape[1:])

@@ -10,7 +10,7 @@ import torch
 from graphcp.config import EngineArgs
 from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce
 from graphcp.dist.moe_comm import moe_communicator
-from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, rank_info
+from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
 from graphcp.forward_context import MoECommunicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.moe import EPInfo
@@ -32,6 +32,7 @@ class RankParallel:
     last_stage: bool
     ranks_per_device: int                  # ranks of this host sharing this rank's device
     device: torch.device
+    cp_ranks: list[int]                    # global ranks of this rank's CP group, by CP rank
 
     @classmethod
     def build(cls, args: EngineArgs, rank: int, cfg: ModelConfig, device: torch.device) -> "RankParallel":
@@ -53,7 +54,8 @@ class RankParallel:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
         moe = moe_communicator(args, cfg.num_experts, groups, tp_rank, me.attn_tp_rank) if cfg.moe_layers else None
         return cls(me, groups, comm, attn_tp, ffn_tp, communicator, ep, moe, layers, me.pp_rank == 0,
-                   me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device)
+                   me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device,
+                   [rank_of(args, me.pp_rank, me.dp_rank, c, me.attn_tp_rank) for c in range(args.cp_size)])
 
     def all_ranks_agree(self, ok: bool) -> bool:
         """All-rank AND over the CP group (graph capture keeps the same buckets on every rank)."""

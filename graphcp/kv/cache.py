@@ -41,6 +41,21 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys(layer).index_select(0, slots), self.values(layer).index_select(0, slots)
 
+    # -- hooks for pools that do not hold every layer (graphcp/pd/layer_split.py) ---------------------
+    def held_layers(self, stage_layers: range) -> range:
+        """The layers whose cache this pool keeps between batches."""
+        return stage_layers
+
+    def begin_batch(self, rows: list[list[int]], prefix_lens: list[int]) -> None:
+        """Told each batch's page rows and cached-prefix lengths before the forward."""
+
+    def prepare(self, layer: int) -> None:
+        """Called before a layer's attention writes and reads the pool."""
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

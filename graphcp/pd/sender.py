@@ -1,0 +1,149 @@
+"""One rank's half of a KV transfer: its Mooncake engine, with the KV pool registered, writes the rank's
+share of a request's cache from the pool pages in place into the receiver's slot.
+
+Who sends what: every CP rank holds the whole (all-gathered) cache of its attention-TP heads, so a pipeline
+stage's layers are split over its CP ranks, which send in parallel; attention-TP ranks send their heads;
+only the DP group holding the request sends. Each rank writes its data, then its part of the slot header
+(tokens written per layer and head): the receiver sees a request whole only when every part has arrived.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from graphcp.errors import ConfigError, RequestError, TransferError
+from graphcp.kv.cache import KVPool
+from graphcp.kv.pages import RequestKV
+from graphcp.models.parallel import shard_range
+from graphcp.pd.layout import DTYPES, SlotLayout, parse_destination
+from graphcp.pd.mooncake import start_engine
+
+
+class KVSender:
+    def __init__(self, pool: KVPool, stage_layers: range, num_layers: int, num_kv_heads: int, cp_size: int,
+                 cp_rank: int, attn_tp_rank: int, protocol: str, timeout_s: float) -> None:
+        self.pool, self.protocol, self.timeout_s = pool, protocol, timeout_s
+        self.model = (num_layers, num_kv_heads, pool.k.shape[-1], _dtype_name(pool.k.dtype))
+        start, end = shard_range(len(stage_layers), cp_size, cp_rank)
+        self.layers = range(stage_layers.start + start, stage_layers.start + end)
+        local_heads = pool.k.shape[2]
+        self.heads = range(attn_tp_rank * local_heads, (attn_tp_rank + 1) * local_heads)
+        self.engine = start_engine(protocol, timeout_s=timeout_s)
+        self.header = torch.zeros(max(1, len(self.layers)), local_heads, dtype=torch.int64)
+        for t in (pool.k, pool.v, self.header):
+            if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
+                raise ConfigError(f"--disaggregation-mode prefill: Mooncake could not register "
+                                  f"{t.numel() * t.element_size()} bytes of KV pool memory")
+
+    def send(self, rid: str, state: RequestKV, destination: dict) -> dict:
+        """Write this rank's layers and heads of ``rid``; returns bytes moved and seconds taken."""
+        layout, dest = parse_destination(rid, destination)
+        self._check(rid, layout, dest, state.cached_len)
+        if not self.layers:
+            return {"bytes": 0, "seconds": 0.0}
+        start = time.perf_counter()
+        src, dst, lengths = self._writes(layout, dest["data_addr"], state)
+        self._write(rid, dest["session"], src, dst, lengths, "KV pages")
+        self.header.fill_(state.cached_len)
+        row = self.header.shape[1] * 8
+        heads = [(self.header.data_ptr() + i * row, dest["header_addr"] + layout.header_offset(layer, self.heads[0]))
+                 for i, layer in enumerate(self.layers)]
+        self._write(rid, dest["session"], [s for s, _ in heads], [d for _, d in heads], [row] * len(heads), "header")
+        return {"bytes": sum(lengths), "seconds": time.perf_counter() - start}
+
+    def _check(self, rid: str, layout: SlotLayout, dest: dict, cached_len: int) -> None:
+        theirs = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
+        for key, mine, their in zip(("num_layers", "num_kv_heads", "head_dim", "dtype"), self.model, theirs):
+            if mine != their:
+                raise RequestError(f"request {rid!r}: destination[{key!r}] is {their!r}, the engine's model has "
+                                   f"{mine!r}; the receiver must load the same checkpoint (and dtype)")
+        if dest["protocol"] != self.protocol:
+            raise RequestError(f"request {rid!r}: destination['protocol'] is {dest['protocol']!r}, the engine sends "
+                               f"over {self.protocol!r} (--disaggregation-transfer-protocol)")
+        if cached_len > layout.max_tokens:
+            raise RequestError(f"request {rid!r}: {cached_len} cached tokens exceed destination['max_tokens'] "
+                               f"{layout.max_tokens}")
+
+    def _writes(self, layout: SlotLayout, data_addr: int, state: RequestKV) -> tuple[list, list, list]:
+        """(source, target, length) of every write, read in place from the pool's pages; a page is one
+        write when this rank holds every head, else one write per token (its heads of the row)."""
+        ps, n = self.pool.page_size, state.cached_len
+        local_row = self.pool.k.shape[2] * self.pool.k.shape[3] * self.pool.k.element_size()
+        whole = local_row == layout.token_bytes
+        src, dst, lengths = [], [], []
+        for layer in self.layers:
+            for kv, pool in enumerate((self.pool.keys(layer), self.pool.values(layer))):
+                base = pool.data_ptr()
+                for i, page in enumerate(state.pages[:-(-n // ps)]):
+                    tokens = range(i * ps, min(n, (i + 1) * ps))
+                    if whole:
+                        _append(src, dst, lengths, base + page * ps * local_row,
+                                data_addr + layout.row_offset(layer, kv, tokens.start), len(tokens) * local_row)
+                        continue
+                    for j, t in enumerate(tokens):
+                        _append(src, dst, lengths, base + (page * ps + j) * local_row,
+                                data_addr + layout.row_offset(layer, kv, t, self.heads[0]), local_row)
+        return src, dst, lengths
+
+    def _write(self, rid: str, session: str, src: list, dst: list, lengths: list, what: str) -> None:
+        """One batch of Mooncake writes, waited for at most the transfer timeout. Mooncake bounds a stalled
+        data stream itself, but not its handshake with a peer that accepts and never answers (a frozen
+        process): that call is left behind in its thread, which ends when the peer's socket closes."""
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(
+            self.engine.batch_transfer_sync_write(session, src, dst, lengths)), name="graphcp-kv-send", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not result:
+            raise TransferError(f"request {rid!r}: Mooncake write of {what} to {session} did not complete within "
+                                f"{self.timeout_s:g} s (--disaggregation-transfer-timeout); the KV stays cached "
+                                f"until released")
+        code = result[0]
+        if code != 0:
+            raise TransferError(f"request {rid!r}: Mooncake write of {what} ({sum(lengths)} bytes in {len(src)} "
+                                f"pieces) to {session} failed with code {code}; the KV stays cached until released")
+
+
+def _append(src: list, dst: list, lengths: list, s: int, d: int, n: int) -> None:
+    """Add a write, merged into the last one when both ends continue it (consecutive pages)."""
+    if src and src[-1] + lengths[-1] == s and dst[-1] + lengths[-1] == d:
+        lengths[-1] += n
+        return
+    src.append(s)
+    dst.append(d)
+    lengths.append(n)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def start_sender(runner) -> KVSender | None:  # noqa: ANN001
+    """The rank's sender in prefill mode (None otherwise); started once, after the KV pool exists."""
+    args = runner.args
+    if args.disaggregation_mode != "prefill":
+        return None
+    cfg = runner.model_config
+    return KVSender(runner.pool, runner.layers, cfg.num_hidden_layers, cfg.num_key_value_heads, args.cp_size,
+                    runner.me.cp_rank, runner.me.attn_tp_rank, args.resolved_transfer_protocol(),
+                    args.disaggregation_transfer_timeout_s)
+
+
+def transfer_kv(runner, rid: str, destination: dict) -> dict | None:  # noqa: ANN001
+    """The ``transfer_kv`` command on one rank: None on ranks whose DP group does not hold ``rid``."""
+    planner = runner.planner
+    if planner.owner(rid) is None:
+        raise RequestError(f"request {rid!r} is unknown: it holds no cached KV")
+    state = planner.pages.requests.get(rid)
+    if state is None:
+        return None
+    return runner.kv_sender.send(rid, state, destination)
+
+
+def merge_reports(replies: list) -> dict:
+    """One answer from every rank's report: total bytes, and the slowest rank's time (they send at once)."""
+    sent = [r for r in replies if r is not None]
+    return {"bytes": sum(r["bytes"] for r in sent), "seconds": max((r["seconds"] for r in sent), default=0.0),
+            "ranks": sum(1 for r in sent if r["bytes"])}
