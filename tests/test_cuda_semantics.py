@@ -241,3 +241,36 @@ def test_one_rank_capture_failure_keeps_collectives_matched(checkpoint, oracle, 
     for i, ids in enumerate([list(range(3, 40)), [(7 * i) % 200 for i in range(1, 25)]]):
         ref, _ = oracle(checkpoint, ids)
         assert rel_err(torch.tensor(r0["logits"][i]), ref) <= 1e-4
+
+
+# -- 9: the torch kernel bounds its score memory on long prompts ---------------------------------------
+def test_torch_kernel_chunks_long_prompts(monkeypatch):
+    """A long prompt's queries run in chunks so no SDPA call materialises more than the score budget;
+    the result equals the unchunked call."""
+    from graphcp.attention import torch_ref
+    gen = torch.Generator().manual_seed(0)
+    q_lens, prefix, ps = [300, 170], [40, 0], 16
+    kv = [p + n for p, n in zip(prefix, q_lens)]
+    pages = max(-(-k // ps) for k in kv)
+    rows = torch.arange(1, 1 + 2 * pages).view(2, pages)
+    k_pool = torch.randn((1 + 2 * pages) * ps, 2, 64, generator=gen)
+    v_pool = torch.randn((1 + 2 * pages) * ps, 2, 64, generator=gen)
+    q = torch.randn(sum(q_lens), 4, 64, generator=gen)
+    cu = torch.tensor([0, q_lens[0], sum(q_lens)])
+    limits = torch.tensor([k - n + i + 1 for n, k in zip(q_lens, kv) for i in range(n)])
+    whole = torch_ref.torch_paged_attention(q, k_pool, v_pool, cu, rows, limits, ps, 0.125, 300, 340,
+                                            torch.empty_like(q))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(qq, *a, **k):  # noqa: ANN001, ANN202
+        calls.append(qq.shape[2] * a[0].shape[2] * qq.shape[0] * qq.shape[1] * 4)
+        return sdpa(qq, *a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(torch_ref, "_MASK_ELEMENTS", 1000)
+    monkeypatch.setattr(torch_ref, "_SCORE_BYTES", 1 << 20)
+    chunked = torch_ref.torch_paged_attention(q, k_pool, v_pool, cu, rows, limits, ps, 0.125, 300, 340,
+                                              torch.empty_like(q))
+    assert len(calls) > 2 and max(calls) <= 1 << 20
+    assert (chunked - whole).abs().max() <= 1e-5

@@ -62,6 +62,31 @@ class KernelSpec:
         return self.fn(args.q, args.k_pool, args.v_pool, args.cu_seqlens_q, args.page_rows, args.q_limits,
                        args.page_size, args.scale, max_q, max_kv, args.out, workspace=workspace)
 
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int,
+                           bottom_right: bool) -> str | None:
+        """Why this kernel cannot serve the configuration (naming what to change), or None."""
+        if self.name == "triton":
+            if not triton_available(device):
+                return ("needs the triton package (and on CPU, TRITON_INTERPRET=1 is set by graphcp); "
+                        "install graphcp[test]")
+            if head_dim not in TRITON_HEAD_DIMS:
+                return f"supports head_dim {TRITON_HEAD_DIMS}, the model has {head_dim}"
+        if self.name.startswith("flashinfer"):
+            return importlib.import_module(_FI).unsupported_reason(device, dtype, head_dim, bottom_right)
+        return None
+
+    def probe(self, device: torch.device, dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
+              page_size: int) -> str | None:
+        """One small call checked against the torch kernel, where the kernel compiles or downloads code on
+        first use (CUDA); None when it agrees."""
+        if self.name == "torch" or device.type != "cuda":
+            return None
+        if self.name.startswith("flashinfer"):
+            return importlib.import_module(_FI).probe(self.name.split("-", 1)[1], device, dtype, *heads,
+                                                      head_dim, page_size)
+        from graphcp.attention.probe import probe_kernel
+        return probe_kernel(self.fn, device, dtype, *heads, head_dim, page_size)
+
 
 _FI = "graphcp.attention.kernels.flashinfer_attention"
 KERNELS = {
@@ -111,18 +136,22 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
     choice is first probed with one small call checked against the torch kernel."""
     fi = importlib.import_module(_FI)
 
-    def flashinfer_reason() -> str | None:
-        reason = fi.unsupported_reason(device, dtype, head_dim, bottom_right)
-        if reason is None and heads is not None:
-            reason = fi.probe(_flashinfer_variant(device), device, dtype, *heads, head_dim, page_size)
-        return reason
+    def reason(spec: KernelSpec) -> str | None:
+        why = spec.unsupported_reason(device, dtype, head_dim, bottom_right)
+        if why is None and heads is not None:
+            why = spec.probe(device, dtype, heads, head_dim, page_size)
+        return why
 
     if requested == "flashinfer":
-        reason = flashinfer_reason()
-        if reason is not None:
-            raise ConfigError(f"--attention-kernel flashinfer {reason}; "
+        if not fi.flashinfer_installed() or device.type != "cuda":
+            spec = KERNELS["flashinfer-paged"]
+        else:
+            spec = KERNELS["flashinfer-" + _flashinfer_variant(device)]
+        why = reason(spec)
+        if why is not None:
+            raise ConfigError(f"--attention-kernel flashinfer {why}; "
                               f"or choose --attention-kernel triton or torch")
-        return "flashinfer-" + _flashinfer_variant(device)
+        return spec.name
     if requested == "triton":
         if not triton_available(device):
             raise ConfigError("--attention-kernel triton needs the triton package (and on CPU, "
@@ -130,32 +159,25 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
                               "--attention-kernel torch")
         if head_dim not in TRITON_HEAD_DIMS:
             return "torch"
-        reason = _triton_reason(device, dtype, head_dim, heads, page_size)
-        if reason is not None:
-            raise ConfigError(f"--attention-kernel triton {reason}; choose --attention-kernel torch")
+        why = reason(KERNELS["triton"])
+        if why is not None:
+            raise ConfigError(f"--attention-kernel triton {why}; choose --attention-kernel torch")
         return "triton"
     if requested == "torch" or device.type != "cuda":
         return "torch"
     if fi.flashinfer_installed():
-        reason = flashinfer_reason()
-        if reason is None:
-            return "flashinfer-" + _flashinfer_variant(device)
-        log.info("graphcp: attention kernel auto: not flashinfer, which %s", reason)
-    if triton_available(device) and head_dim in TRITON_HEAD_DIMS:
-        reason = _triton_reason(device, dtype, head_dim, heads, page_size)
-        if reason is None:
+        spec = KERNELS["flashinfer-" + _flashinfer_variant(device)]
+        why = reason(spec)
+        if why is None:
+            return spec.name
+        log.info("graphcp: attention kernel auto: not flashinfer, which %s", why)
+    triton = KERNELS["triton"]
+    if triton.unsupported_reason(device, dtype, head_dim, bottom_right) is None:
+        why = reason(triton)
+        if why is None:
             return "triton"
-        log.warning("graphcp: attention kernel auto: the Triton kernel %s; using the torch kernel", reason)
+        log.warning("graphcp: attention kernel auto: the Triton kernel %s; using the torch kernel", why)
     return "torch"
-
-
-def _triton_reason(device: torch.device, dtype: torch.dtype, head_dim: int,
-                   heads: tuple[int, int] | None, page_size: int) -> str | None:
-    """The Triton kernel is probed on CUDA (where it compiles on first use); the interpreter needs none."""
-    if device.type != "cuda" or heads is None:
-        return None
-    from graphcp.attention.probe import probe_kernel
-    return probe_kernel(KERNELS["triton"].fn, device, dtype, *heads, head_dim, page_size)
 
 
 def _flashinfer_variant(device: torch.device) -> str:
