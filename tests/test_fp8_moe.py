@@ -11,24 +11,26 @@ import shutil
 
 import pytest
 import torch
+from fp8_checkpoint import make_fp8_checkpoint
+from hf_reference import make_checkpoint
+from parity import Session, random_ids
 from safetensors.torch import load_file, save_file
 
-from fp8_checkpoint import make_fp8_checkpoint
 from graphcp import ConfigError, Engine, EngineArgs
 from graphcp.models import fp8, load_model, read_model_config
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
-from hf_reference import make_checkpoint
-from parity import Session, random_ids
 
 VOCAB = 211
 # Blocks smaller than the model: expert gate/up [40, 72] and down [72, 40] end in partial blocks,
-# and expert TP 2 splits the intermediate dim at 20, inside a row block (16) and a column block (32).
+# and expert TP 2 splits the intermediate dim at 20, inside a row block (16) and a column block
+# (32).
 BLOCK = (16, 32)
 # Layer 1 is dense; layer 2's experts stay unquantized (transformers converts experts as one
 # module); Qwen's FP8 releases list routers too, which neither side converts anyway.
 SKIP = ("lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.experts")
-CP2 = dict(attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag", cuda_graph_buckets=[32, 64])
+CP2 = {"attn_cp_size": 2, "enable_prefill_cp": True, "cp_strategy": "zigzag",
+       "cuda_graph_buckets": [32, 64]}
 FIRST = [("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2)),
          ("c", random_ids(20, VOCAB, 3))]
 SECOND = [("b", random_ids(12, VOCAB, 4)), ("d", random_ids(30, VOCAB, 5))]
@@ -126,9 +128,9 @@ def _parity(engine, oracle, path: str, eager_too: bool) -> float:
 
 @pytest.mark.parametrize("layout", ["single", "cp2_ep2", "cp2_expert_tp2"])
 def test_fp8_moe_matches_hf_on_dequantized_weights(fp8_moe, engines, oracle, layout):
-    kwargs = {"single": dict(cuda_graph_buckets=[32, 64, 128]),
-              "cp2_ep2": dict(tp_size=2, ep_size=2, **CP2),
-              "cp2_expert_tp2": dict(tp_size=2, ep_size=1, moe_a2a_backend="all_to_all", **CP2)}
+    kwargs = {"single": {"cuda_graph_buckets": [32, 64, 128]},
+              "cp2_ep2": {"tp_size": 2, "ep_size": 2, **CP2},
+              "cp2_expert_tp2": {"tp_size": 2, "ep_size": 1, "moe_a2a_backend": "all_to_all", **CP2}}
     engine = engines.get(fp8_moe[0], **kwargs[layout])
     assert _parity(engine, oracle, fp8_moe[1], eager_too=layout != "cp2_expert_tp2") <= 1e-4
 
@@ -144,6 +146,8 @@ def test_fp8_moe_matches_hf_on_dequantized_weights(fp8_moe, engines, oracle, lay
         ("fp8_router", "model.layers.0.mlp.gate.weight is F8_E4M3 but has no block scale"),
         ("skipped_expert_scale",
          "does not use.*'model.layers.2.mlp.experts.0.down_proj.weight_scale_inv'"),
+        ("fused_fp8_experts",
+         "does not use.*'model.layers.0.mlp.experts.(gate_up|down)_proj_scale_inv'"),
     ],
 )
 def test_bad_fp8_experts_refused_before_allocation(fp8_moe, tmp_path, monkeypatch, damage, match):
@@ -162,6 +166,16 @@ def test_bad_fp8_experts_refused_before_allocation(fp8_moe, tmp_path, monkeypatc
         weights[router] = weights[router].to(torch.float8_e4m3fn)
     elif damage == "skipped_expert_scale":
         weights["model.layers.2.mlp.experts.0.down_proj.weight_scale_inv"] = torch.ones(5, 2)
+    elif damage == "fused_fp8_experts":     # transformers' FP8Experts layout: not read as FP8
+        p = "model.layers.0.mlp.experts"
+        for proj, rows in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            per_expert = [torch.cat([weights.pop(f"{p}.{e}.{r}_proj.weight") for r in rows])
+                          for e in range(4)]
+            for e in range(4):
+                for r in rows:
+                    del weights[f"{p}.{e}.{r}_proj.weight_scale_inv"]
+            weights[f"{p}.{proj}_proj"] = torch.stack(per_expert)
+            weights[f"{p}.{proj}_proj_scale_inv"] = torch.ones(4, 5, 3 if proj == "gate_up" else 2)
     save_file(weights, path)
 
     def no_allocation(*args, **kwargs):
