@@ -40,13 +40,15 @@ def make_fp8_checkpoint(
     block: tuple[int, int],
     skip: tuple[str, ...] = ("lm_head",),
 ) -> tuple[str, str]:
-    """Quantize every ``*_proj.weight`` of ``src`` not in ``skip`` (module names); write the FP8
-    checkpoint (with its quantization_config) and the dequantized float32 one (the plain config)."""
+    """Quantize every ``*_proj.weight`` of ``src`` (MoE experts' too; not the router ``mlp.gate``)
+    outside ``skip`` (module names, each covering the modules under it); write the FP8 checkpoint
+    (with its quantization_config) and the dequantized float32 one (the plain config)."""
     weights = load_file(os.path.join(src, "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
         module = name.rsplit(".", 1)[0]
-        if name.endswith("_proj.weight") and module not in skip:
+        skipped = any(module == s or module.startswith(s + ".") for s in skip)
+        if name.endswith("_proj.weight") and not skipped:
             q, s = quantize_blocks(w, block)
             quantized[name], quantized[name + "_scale_inv"] = q, s
             dequantized[name] = dequantize_blocks(q, s, block)

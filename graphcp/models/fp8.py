@@ -2,11 +2,11 @@
 each with a float32 ``<name>_scale_inv`` holding one scale per ``weight_block_size`` block (edge
 blocks partial); the real weight is ``fp8.float() * scale`` of its block.
 
-One path serves every Linear weight, dense projections now and MoE experts later:
-``quantized_names`` says which checkpoint tensors are FP8, ``read_dequantized`` turns any TP/EP
-slice of one into float32 (CPU, GPUs without FP8 tensor cores), and ``hold_fp8`` + ``attach`` keep a
-module's slice in FP8 with the scale rows that cover it, for the block-scaled Triton GEMM (CUDA). A
-slice need not start on a block.
+One path serves every Linear weight, dense projections and MoE experts: ``quantized_names`` and
+``quantized_expert_names`` say which checkpoint tensors are FP8, ``read_dequantized`` turns any
+TP/EP slice of one into float32 (CPU, GPUs without FP8 tensor cores, MoE experts everywhere), and
+``hold_fp8`` + ``attach`` keep a dense module's slice in FP8 with the scale rows that cover it, for
+the block-scaled Triton GEMM (CUDA). A slice need not start on a block.
 """
 
 from __future__ import annotations
@@ -46,6 +46,20 @@ def quantized_names(model: nn.Module, cfg: ModelConfig) -> list[str]:
         f"{name}.weight"
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name != "lm_head" and not _skipped(name, cfg.fp8_skip)
+    ]
+
+
+def quantized_expert_names(prefix: str, tensors: dict[str, tuple], cfg: ModelConfig) -> list[str]:
+    """Which of an experts module's checkpoint tensors (``Experts.checkpoint_tensors``) are FP8:
+    every per-expert projection weight, unless the experts module (transformers converts it as one
+    unit) or that projection is in ``modules_to_not_convert``. The router is no Linear there nor
+    here, so it stays unquantized. Fused 3-D expert tensors are not read as FP8."""
+    if cfg.fp8_block is None or _skipped(prefix, cfg.fp8_skip):
+        return []
+    return [
+        name
+        for name, shape in tensors.items()
+        if len(shape) == 2 and not _skipped(name.removesuffix(".weight"), cfg.fp8_skip)
     ]
 
 

@@ -55,7 +55,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
     for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
         del expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"]
-        expected.update(experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size))
+        tensors = experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size)
+        expected.update(tensors)
+        quantized.update(fp8.quantized_expert_names(prefix, tensors, cfg))
     _check_names_and_shapes(cfg, expected, files, quantized)
     model = model.to_empty(device=device).to(dtype)
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
@@ -67,6 +69,13 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
     reader = _Reader(files)
+
+    def read_expert(source: str, shard: tuple[int, int, int]) -> torch.Tensor:
+        """FP8 experts are dequantized at load on every device (no FP8 grouped GEMM yet)."""
+        if source in quantized:
+            return _finite(source, fp8.read_dequantized(reader.read, source, shard, cfg.fp8_block))
+        return _finite(source, reader.read(source, shard))
+
     expert_params = {f"{prefix}.{p}" for prefix, _ in _experts(model) for p in ("gate_up_proj", "down_proj")}
     with torch.no_grad():
         for name, param in model.state_dict().items():
@@ -79,7 +88,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
                 tensor = reader.read(source, shards.get(name))
             param.copy_(_finite(source, tensor))
         for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
-            experts.load(prefix, set(files), lambda source, index: _finite(source, reader.take(source, index)))
+            experts.load(prefix, set(files), read_expert,
+                         lambda source, index: _finite(source, reader.take(source, index)))
     if quantized and keep_fp8:
         fp8.attach(model, cfg.fp8_block)
     model.fuse_projections()

@@ -99,22 +99,24 @@ class Experts(nn.Module):
         return out
 
     @torch.no_grad()
-    def load(self, prefix: str, names: set[str], read) -> None:  # noqa: ANN001
-        """``read(name, index)`` returns ``tensor[index]`` from the checkpoint (only that slice)."""
+    def load(self, prefix: str, names: set[str], read, take) -> None:  # noqa: ANN001
+        """Only this rank's slices leave the checkpoint: ``read(name, (dim, start, end))`` returns
+        a shard of a per-expert weight (dequantized when it is FP8), ``take(name, index)`` returns
+        ``tensor[index]`` of a fused one."""
         lo, hi = self.slice
         experts = slice(self.first, self.first + self.num_local)
         inter = hi - lo
         if f"{prefix}.gate_up_proj" in names:
-            self.gate_up_proj[:, :inter] = read(f"{prefix}.gate_up_proj", (experts, slice(lo, hi)))
+            self.gate_up_proj[:, :inter] = take(f"{prefix}.gate_up_proj", (experts, slice(lo, hi)))
             up = slice(self.inter + lo, self.inter + hi)
-            self.gate_up_proj[:, inter:] = read(f"{prefix}.gate_up_proj", (experts, up))
-            self.down_proj.copy_(read(f"{prefix}.down_proj", (experts, slice(None), slice(lo, hi))))
+            self.gate_up_proj[:, inter:] = take(f"{prefix}.gate_up_proj", (experts, up))
+            self.down_proj.copy_(take(f"{prefix}.down_proj", (experts, slice(None), slice(lo, hi))))
             return
         for i in range(self.num_local):
             e = f"{prefix}.{self.first + i}"
-            self.gate_up_proj[i, :inter] = read(f"{e}.gate_proj.weight", (slice(lo, hi),))
-            self.gate_up_proj[i, inter:] = read(f"{e}.up_proj.weight", (slice(lo, hi),))
-            self.down_proj[i] = read(f"{e}.down_proj.weight", (slice(None), slice(lo, hi)))
+            self.gate_up_proj[i, :inter] = read(f"{e}.gate_proj.weight", (0, lo, hi))
+            self.gate_up_proj[i, inter:] = read(f"{e}.up_proj.weight", (0, lo, hi))
+            self.down_proj[i] = read(f"{e}.down_proj.weight", (1, lo, hi))
 
 
 def _experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
