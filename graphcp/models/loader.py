@@ -1,4 +1,5 @@
-"""Load an HF checkpoint (config.json + safetensors, sharded or not) into a CausalLM. Never unpickles.
+"""Load an HF checkpoint (config.json + safetensors, sharded or not) or a GGUF file into a CausalLM.
+Never unpickles.
 
 The whole checkpoint is validated (names, shapes) against the full model first; then each rank reads only
 the tensors of its pipeline stage and only its tensor-parallel slice of each.
@@ -13,6 +14,7 @@ from safetensors import safe_open
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig, read_model_config
+from graphcp.models.gguf import GGUFTensors, is_gguf
 from graphcp.models.llama import CausalLM
 from graphcp.models.parallel import TPInfo
 
@@ -42,11 +44,16 @@ def _weight_files(model_path: str) -> dict[str, str]:
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
                layers: range | None = None, ffn_tp: TPInfo | None = None) -> CausalLM:
     cfg = read_model_config(model_path)
-    files = _weight_files(model_path)
+    if is_gguf(model_path):
+        gguf = GGUFTensors(model_path, cfg.architecture)
+        shapes = gguf.shapes()
+    else:
+        files = _weight_files(model_path)
+        shapes = _safetensors_shapes(files)
     with torch.device("meta"):
         full = CausalLM(cfg)
         model = CausalLM(cfg, tp, layers, ffn_tp)
-    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, files)
+    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, shapes)
     model = model.to_empty(device=device).to(dtype)
     params = model.state_dict()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
@@ -56,8 +63,11 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     with torch.no_grad():
         for name, param in params.items():
             source = model.source_name(name)
-            with safe_open(files[source], framework="pt") as f:
-                tensor = _read(f.get_slice(source), shards.get(name))
+            if is_gguf(model_path):
+                tensor = gguf.read(source, shards.get(name), cfg.head_dim)
+            else:
+                with safe_open(files[source], framework="pt") as f:
+                    tensor = _read(f.get_slice(source), shards.get(name))
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
             param.copy_(tensor)
@@ -75,24 +85,24 @@ def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # 
     return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
 
 
-def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files: dict[str, str]) -> None:
-    missing = [n for n in expected if n not in files]
+def _safetensors_shapes(files: dict[str, str]) -> dict[str, tuple]:
+    shapes = {}
+    for path in sorted(set(files.values())):
+        with safe_open(path, framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys() if files.get(name) == path})
+    return shapes
+
+
+def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], shapes: dict[str, tuple]) -> None:
+    missing = [n for n in expected if n not in shapes]
     if missing:
         raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
-    unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+    unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
                           f"e.g. {unexpected[0]!r}")
-    handles: dict[str, object] = {}
-    try:
-        for name, shape in expected.items():
-            path = files[name]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt").__enter__()
-            got = tuple(handles[path].get_slice(name).get_shape())
-            if got != shape:
-                raise ConfigError(f"--model-path: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise ConfigError(f"--model-path: tensor {name} has shape {list(shapes[name])}, "
+                              f"the model config implies {list(shape)}")
