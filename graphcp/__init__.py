@@ -3,6 +3,8 @@ from graphcp.batch import PrefillOutput, Request
 from graphcp.config import EngineArgs
 from graphcp.engine import Engine
 from graphcp.errors import ConfigError, EngineDeadError, RequestError
+from graphcp.models.tokenizer import tokenizer
 
-__all__ = ["EngineArgs", "Engine", "Request", "PrefillOutput", "ConfigError", "RequestError", "EngineDeadError"]
+__all__ = ["EngineArgs", "Engine", "Request", "PrefillOutput", "ConfigError", "RequestError", "EngineDeadError",
+           "tokenizer"]
 __version__ = "0.1.0"
