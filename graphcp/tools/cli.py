@@ -1,4 +1,4 @@
-"""``graphcp demo | bench | profile``: the engine's command line."""
+"""``graphcp demo | generate | bench | profile | soak``: the engine's command line."""
 from __future__ import annotations
 
 import argparse
@@ -28,10 +28,10 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "graphcp.tools.demo", "bench": "graphcp.tools.bench", "profile": "graphcp.tools.profile",
-                "soak": "graphcp.tools.soak"}
+    commands = {"demo": "graphcp.tools.demo", "generate": "graphcp.tools.generate", "bench": "graphcp.tools.bench",
+                "profile": "graphcp.tools.profile", "soak": "graphcp.tools.soak"}
     if not argv or argv[0] not in commands:
-        print("usage: graphcp {demo,bench,profile,soak} [engine flags]   (graphcp CMD --help for details)")
+        print("usage: graphcp {demo,generate,bench,profile,soak} [engine flags]   (graphcp CMD --help for details)")
         return 2
     import importlib
     module = importlib.import_module(commands[argv[0]])

