@@ -19,6 +19,7 @@ class Step:
     batch: list[tuple[str, list[int]]]
     mode: str
     bucket: int | None
+    eager_reason: str | None
     ms: float
     logits: torch.Tensor
 
@@ -39,7 +40,7 @@ def greedy_generate(engine, prompts: dict[str, list[int]], max_new_tokens: int, 
             t0 = time.perf_counter()
             out = engine.prefill([Request(rid, ids) for rid, ids in batch])
             ms = (time.perf_counter() - t0) * 1e3
-            steps.append(Step(batch, out.mode, out.graph_bucket, ms, out.logits))
+            steps.append(Step(batch, out.mode, out.graph_bucket, out.eager_reason, ms, out.logits))
             for (rid, _), token in zip(batch, out.next_token_ids):
                 generated[rid].append(token)
             batch = [(rid, [generated[rid][-1]]) for rid, _ in batch
@@ -77,6 +78,8 @@ def print_steps(steps: list[Step]) -> None:
     for i, s in enumerate(steps):
         print(f"{i:>4} {len(s.batch):>8} {s.tokens:>10} {s.mode:<6} {s.bucket or '-':>6} {s.ms:>8.1f} "
               f"{s.tokens / s.ms * 1e3:>9.0f}")
+    for reason in dict.fromkeys(s.eager_reason for s in steps if s.eager_reason):
+        print(f"eager because: {reason}")
     new = sum(len(s.batch) for s in steps)
     total_ms = sum(s.ms for s in steps)
     print(f"generated {new} tokens in {total_ms / 1e3:.2f} s ({new / total_ms * 1e3:.1f} tokens/s, "
@@ -88,21 +91,23 @@ def text_parser(prog: str, description: str, max_new_tokens: int):  # noqa: ANN2
     parser = engine_parser(prog, description, cp_default=2)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as is")
-    parser.set_defaults(cuda_graph_buckets=[32, 64, 128], max_total_tokens=4096)
     return parser
 
 
-def resolve_real(ns) -> None:  # noqa: ANN001
+def text_defaults(ns) -> None:  # noqa: ANN001
+    """The real model, and graph buckets and a KV pool sized for a few chat prompts, unless flags say otherwise."""
     if ns.model_path is None:
         from graphcp.models.real_model import smollm2_path
         ns.model_path = smollm2_path()
+    ns.cuda_graph_buckets = ns.cuda_graph_buckets or [32, 64, 128]
+    ns.max_total_tokens = ns.max_total_tokens or 4096
 
 
 def run(argv: list[str]) -> int:
     parser = text_parser("graphcp generate", "Greedy continuation of one prompt.", 32)
     parser.add_argument("--prompt", required=True)
     ns = parser.parse_args(argv)
-    resolve_real(ns)
+    text_defaults(ns)
     args = engine_args(ns)
     from graphcp import Engine, tokenizer
     from graphcp.errors import ConfigError
