@@ -53,7 +53,7 @@ DEMO_PROMPTS = ("What is the capital of France?", "Name three colors.", "Write a
 
 def run(argv: list[str]) -> int:
     parser = text_parser("graphcp demo", "Chat prompts through the real model at CP=2 zigzag with graphs, "
-                         "answered greedily by one-token extends, checked against CP=1.", max_new_tokens=24)
+                         "answered greedily by one-token extends, checked against CP=1.", max_new_tokens=20)
     parser.add_argument("--prompt", action="append", help="a user message (repeatable); default: three questions")
     parser.add_argument("--random-model", action="store_true",
                         help="serve random token ids instead of text, on the embedded random-weight model unless "
