@@ -222,3 +222,75 @@ def _patch_tensor_type(path: str, name: str, raw_type: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(np.uint32(raw_type).tobytes())
+
+
+# -- tiny random checkpoints of each family, converted to GGUF as llama.cpp does, against HF on that file -----
+
+_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+_LAYER_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down"}
+
+
+def _hf_to_gguf(ckpt: str, path: str, family: str) -> str:
+    """Write an HF checkpoint as a GGUF file: llama.cpp's names and metadata, its Q/K row interleave for
+    Llama, matrices quantized to Q8_0 by the gguf package (vectors stay F32)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, family)
+    for key, value in (("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("vocab_size", cfg["vocab_size"])):
+        writer.add_uint32(f"{family}.{key}", value)
+    if cfg.get("head_dim"):
+        writer.add_uint32(f"{family}.attention.key_length", cfg["head_dim"])
+        writer.add_uint32(f"{family}.attention.value_length", cfg["head_dim"])
+    writer.add_float32(f"{family}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    writer.add_float32(f"{family}.rope.freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    for name, tensor in load_file(os.path.join(ckpt, "model.safetensors")).items():
+        parts = name.split(".")
+        gguf_name = _TO_GGUF.get(name) or f"blk.{parts[2]}.{_LAYER_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        data = tensor.float().numpy()
+        if family == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = heads if "attn_q" in gguf_name else kv_heads
+            data = data.reshape(n, 2, data.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(data.shape)
+        if data.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_families_match_hf(tmp_path, family):
+    import transformers
+    from hf_reference import make_checkpoint
+    # HF takes no head_dim from a qwen3 GGUF (Qwen3Config's default, 128); graphcp reads attention.key_length.
+    overrides = {"head_dim": 128} if family == "qwen3" else {}
+    ckpt = make_checkpoint(str(tmp_path / "hf"), family, **overrides)
+    path = _hf_to_gguf(ckpt, str(tmp_path / f"{family}.gguf"), family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f"{family}.gguf",
+                                                           dtype=torch.float32).eval()
+    assert type(hf).__name__ == read_model_config(path).architecture
+    ids = [int(i) for i in torch.randint(0, 211, (37,), generator=torch.Generator().manual_seed(1))]
+    logits, kv = hf_last(hf, ids)
+    with Engine(EngineArgs(model_path=path, max_total_tokens=1024, disable_cuda_graph=True)) as engine:
+        out = engine.prefill([Request("a", ids)])
+        ours = engine.kv_cache("a")
+    worst = max([rel_err(out.logits[0], logits)] + [max(rel_err(k, kr), rel_err(v, vr))
+                                                     for (k, v), (kr, vr) in zip(ours, kv)])
+    assert worst <= TOL, f"{family}: worst relative error {worst:.2e}"
