@@ -165,12 +165,13 @@ def test_greedy_extends_match_hf_generate(engines, weights_gguf, hf, prompts):
 
 # -- files graphcp refuses, each before any allocation --------------------------------------------------------
 
-def _tiny_gguf(path: str, arch: str = "llama", embd_type: str = "F32") -> str:
+def _tiny_gguf(path: str, arch: str = "llama", embd_type: str = "F32", drop: str = "") -> str:
     import gguf
     writer = gguf.GGUFWriter(path, arch)
     for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 64),
                        ("feed_forward_length", 96), ("attention.head_count", 4)):
-        writer.add_uint32(f"{arch}.{key}", value)
+        if key != drop:
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     qtype = gguf.GGMLQuantizationType[embd_type]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -205,13 +206,15 @@ def test_bad_gguf_files_are_config_errors(tmp_path, gguf_path):
         Engine(EngineArgs(model_path=str(tmp_path / "cut4096.gguf"), max_total_tokens=1024))
     with pytest.raises(ConfigError, match="general.architecture 'gpt2' is not supported"):
         read_model_config(_tiny_gguf(str(tmp_path / "gpt2.gguf"), arch="gpt2"))
+    with pytest.raises(ConfigError, match="GGUF metadata lacks the key 'llama.feed_forward_length'"):
+        read_model_config(_tiny_gguf(str(tmp_path / "nokey.gguf"), drop="feed_forward_length"))
     with pytest.raises(ConfigError, match="model.embed_tokens.weight has type Q8_1"):
         GGUFTensors(_tiny_gguf(str(tmp_path / "q81.gguf"), embd_type="Q8_1"), "LlamaForCausalLM")
     unknown = shutil.copy(good, tmp_path / "unknown.gguf")
     _patch_tensor_type(str(unknown), "output_norm.weight", 999)
     with pytest.raises(ConfigError, match="tensor output_norm.weight has unknown GGUF tensor type 999"):
         read_model_config(str(unknown))
-    with pytest.raises(ConfigError, match=r"lacks \d+ tensors, e.g. .model.layers.0"):
+    with pytest.raises(ConfigError, match=r"lacks \d+ tensors, e.g. .blk.0.attn_norm.weight \(model.layers.0"):
         load_model(good, torch.float32, torch.device("cpu"))
 
 

@@ -130,6 +130,18 @@ def hf_name(gguf_name: str) -> str:
     return gguf_name
 
 
+def gguf_name(name: str) -> str:
+    """The GGUF tensor that holds an HF parameter, for messages a GGUF user can act on."""
+    top = {hf: g for g, hf in _TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    for g, hf in _LAYER_NAMES.items():
+        parts = name.split(".")
+        if len(parts) > 4 and parts[:2] == ["model", "layers"] and ".".join(parts[3:-1]) == hf:
+            return f"blk.{parts[2]}.{g}.{parts[-1]}"
+    return name
+
+
 class GGUFTensors:
     """HF-named view of a GGUF file's tensors: shapes, and dequantized (slices of) tensors on demand."""
 
@@ -150,6 +162,10 @@ class GGUFTensors:
         except (NotImplementedError, ValueError, KeyError) as e:
             raise ConfigError(f"--model-path: GGUF tensor {name} has type {t.tensor_type.name}, which the gguf "
                               f"package cannot dequantize ({e})") from e
+
+    @staticmethod
+    def label(name: str) -> str:
+        return f"{gguf_name(name)} ({name})"
 
     def shapes(self) -> dict[str, tuple]:
         return {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in self.tensors.items()}

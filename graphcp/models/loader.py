@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -46,14 +47,14 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     cfg = read_model_config(model_path)
     if is_gguf(model_path):
         gguf = GGUFTensors(model_path, cfg.architecture)
-        shapes = gguf.shapes()
+        shapes, label = gguf.shapes(), gguf.label
     else:
         files = _weight_files(model_path)
-        shapes = _safetensors_shapes(files)
+        shapes, label = _safetensors_shapes(files), str
     with torch.device("meta"):
         full = CausalLM(cfg)
         model = CausalLM(cfg, tp, layers, ffn_tp)
-    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, shapes)
+    _check_names_and_shapes(cfg, {n: tuple(p.shape) for n, p in full.state_dict().items()}, shapes, label)
     model = model.to_empty(device=device).to(dtype)
     params = model.state_dict()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
@@ -93,16 +94,17 @@ def _safetensors_shapes(files: dict[str, str]) -> dict[str, tuple]:
     return shapes
 
 
-def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], shapes: dict[str, tuple]) -> None:
+def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], shapes: dict[str, tuple],
+                            label: Callable[[str], str]) -> None:
     missing = [n for n in expected if n not in shapes]
     if missing:
-        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {label(missing[0])!r}")
     unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
-                          f"e.g. {unexpected[0]!r}")
+                          f"e.g. {label(unexpected[0])!r}")
     for name, shape in expected.items():
         if shapes[name] != shape:
-            raise ConfigError(f"--model-path: tensor {name} has shape {list(shapes[name])}, "
+            raise ConfigError(f"--model-path: tensor {label(name)} has shape {list(shapes[name])}, "
                               f"the model config implies {list(shape)}")
