@@ -55,11 +55,13 @@ def _open(path: str, size: int, mtime_ns: int):  # noqa: ANN202, ARG001 (size an
 
     class _Reader(GGUFReader):
         def _build_tensors(self, start_offs, fields):  # noqa: ANN001, ANN202
-            for field in fields:                           # name the tensor before gguf's bare enum error
-                name, raw_type = bytes(field.parts[1]).decode("utf-8", "replace"), int(field.parts[4][0])
-                if raw_type not in GGMLQuantizationType._value2member_map_:
+            for info in fields:                            # name the tensor before gguf's bare enum error
+                name, raw_type = bytes(info.parts[1]).decode("utf-8", "replace"), int(info.parts[4][0])
+                try:
+                    GGMLQuantizationType(raw_type)
+                except ValueError:
                     raise ConfigError(f"--model-path {path!r}: tensor {name} has unknown GGUF tensor type "
-                                      f"{raw_type}")
+                                      f"{raw_type}") from None
             super()._build_tensors(start_offs, fields)
 
     try:
@@ -147,11 +149,11 @@ class GGUFTensors:
 
     def __init__(self, model_path: str, architecture: str) -> None:
         from gguf import dequantize
-        self.path, self.dequantize = model_path, dequantize
+        self.dequantize = dequantize
         self.tensors = {hf_name(t.name): t for t in reader(model_path).tensors}
         # llama.cpp interleaves the two rotary halves of each Llama q/k head; HF keeps them split.
-        self.permuted = {} if architecture != "LlamaForCausalLM" else {
-            n: 1 for n in self.tensors if n.endswith(("q_proj.weight", "k_proj.weight"))}
+        self.permuted = {n for n in self.tensors if architecture == "LlamaForCausalLM"
+                         and n.endswith(("q_proj.weight", "k_proj.weight"))}
         for name, t in self.tensors.items():
             self._probe(name, t)
 
