@@ -163,6 +163,15 @@ def test_greedy_extends_match_hf_generate(engines, weights_gguf, hf, prompts):
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
 
 
+def test_generate_cli_answers_in_text(gguf_path, capsys):
+    """Text in, text out through the chat template on the original file, one rank."""
+    from graphcp.tools.cli import main
+    assert main(["generate", "--prompt", PROMPTS["france"], "--max-new-tokens", "10", "--tp", "1",
+                 "--attn-cp-size", "1", "--disable-cuda-graph"]) == 0
+    printed = capsys.readouterr().out
+    assert "answer: The capital of France is Paris." in printed and "tokens/s" in printed
+
+
 # -- files graphcp refuses, each before any allocation --------------------------------------------------------
 
 def _tiny_gguf(path: str, arch: str = "llama", embd_type: str = "F32", drop: str = "") -> str:
