@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format), read with the format's own ``gguf`` package.
 
-Metadata becomes the same HF-style config dict that config.json gives, so one validation path serves both;
-tensors keep their GGUF bytes until a rank asks for its slice. Quant blocks run along a row, so a row range
-is dequantized alone; a column range dequantizes whole rows first.
-"""
+Metadata becomes the same HF-style config dict that config.json gives, so one validation path serves
+both; tensors keep their GGUF bytes until a rank asks for its slice. Quant blocks run along a row,
+so a row range is dequantized alone; a column range dequantizes whole rows first."""
+
 from __future__ import annotations
 
 import functools
@@ -16,15 +16,30 @@ import torch
 from graphcp.errors import ConfigError
 
 # general.architecture -> the HF class whose layers the GGUF holds.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 _MAGIC = b"GGUF"
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED = object()
 
@@ -39,7 +54,9 @@ def check_file(model_path: str) -> None:
         raise ConfigError(f"--model-path {model_path!r}: no such GGUF file")
     with open(model_path, "rb") as f:
         if f.read(4) != _MAGIC:
-            raise ConfigError(f"--model-path {model_path!r} is not a GGUF file (no GGUF magic bytes)")
+            raise ConfigError(
+                f"--model-path {model_path!r} is not a GGUF file (no GGUF magic bytes)"
+            )
 
 
 def reader(model_path: str):  # noqa: ANN201
@@ -50,18 +67,23 @@ def reader(model_path: str):  # noqa: ANN201
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: str, size: int, mtime_ns: int):  # noqa: ANN202, ARG001 (size and mtime key the cache)
+def _open(path: str, size: int, mtime_ns: int):  # noqa: ANN202, ARG001 (size, mtime: cache key)
     from gguf import GGMLQuantizationType, GGUFReader
 
     class _Reader(GGUFReader):
         def _build_tensors(self, start_offs, fields):  # noqa: ANN001, ANN202
-            for info in fields:                            # name the tensor before gguf's bare enum error
-                name, raw_type = bytes(info.parts[1]).decode("utf-8", "replace"), int(info.parts[4][0])
+            for info in fields:  # name the tensor before gguf's bare enum error
+                name, raw_type = (
+                    bytes(info.parts[1]).decode("utf-8", "replace"),
+                    int(info.parts[4][0]),
+                )
                 try:
                     GGMLQuantizationType(raw_type)
                 except ValueError:
-                    raise ConfigError(f"--model-path {path!r}: tensor {name} has unknown GGUF tensor type "
-                                      f"{raw_type}") from None
+                    raise ConfigError(
+                        f"--model-path {path!r}: tensor {name} has unknown GGUF tensor type "
+                        f"{raw_type}"
+                    ) from None
             super()._build_tensors(start_offs, fields)
 
     try:
@@ -87,25 +109,33 @@ def hf_config(model_path: str) -> dict:
     r = reader(model_path)
     arch = field(r, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"--model-path: GGUF general.architecture {arch!r} is not supported "
-                          f"(supported: {', '.join(ARCHITECTURES)})")
+        raise ConfigError(
+            f"--model-path: GGUF general.architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
     names = {t.name for t in r.tensors}
     heads = field(r, f"{arch}.attention.head_count")
     kv_heads = field(r, f"{arch}.attention.head_count_kv", default=heads)
     if isinstance(kv_heads, list) or isinstance(heads, list):
-        raise ConfigError(f"--model-path: GGUF {arch}.attention.head_count_kv varies per layer; not supported")
+        raise ConfigError(
+            f"--model-path: GGUF {arch}.attention.head_count_kv varies per layer; not supported"
+        )
     hidden = field(r, f"{arch}.embedding_length")
     head_dim = field(r, f"{arch}.attention.key_length", default=0) or (
-        field(r, f"{arch}.rope.dimension_count", default=0) if arch == "llama" else 0)
+        field(r, f"{arch}.rope.dimension_count", default=0) if arch == "llama" else 0
+    )
     embd = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ConfigError("--model-path: GGUF file lacks the tensor 'token_embd.weight'")
     raw = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
         "vocab_size": field(r, f"{arch}.vocab_size", default=int(embd.shape[-1])),
-        "hidden_size": hidden, "intermediate_size": field(r, f"{arch}.feed_forward_length"),
+        "hidden_size": hidden,
+        "intermediate_size": field(r, f"{arch}.feed_forward_length"),
         "num_hidden_layers": field(r, f"{arch}.block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim or (hidden // heads if isinstance(hidden, int) and heads else None),
         "rms_norm_eps": float(field(r, f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(field(r, f"{arch}.rope.freq_base", default=10000.0)),
@@ -116,14 +146,20 @@ def hf_config(model_path: str) -> dict:
     }
     scaling = field(r, f"{arch}.rope.scaling.type", default="none")
     if scaling == "linear":
-        raw["rope_scaling"] = {"rope_type": "linear", "factor": float(field(r, f"{arch}.rope.scaling.factor"))}
+        raw["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(field(r, f"{arch}.rope.scaling.factor")),
+        }
     elif scaling != "none":
-        raise ConfigError(f"--model-path: GGUF {arch}.rope.scaling.type {scaling!r} is not supported (linear)")
+        raise ConfigError(
+            f"--model-path: GGUF {arch}.rope.scaling.type {scaling!r} is not supported (linear)"
+        )
     return raw
 
 
 def hf_name(gguf_name: str) -> str:
-    """The HF parameter a GGUF tensor holds; an unknown name is returned as is (the loader reports it)."""
+    """The HF parameter a GGUF tensor holds; an unknown name is returned as is (the loader reports
+    it)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
@@ -145,15 +181,20 @@ def gguf_name(name: str) -> str:
 
 
 class GGUFTensors:
-    """HF-named view of a GGUF file's tensors: shapes, and dequantized (slices of) tensors on demand."""
+    """HF-named view of a GGUF file's tensors: shapes, and dequantized (slices of) tensors on
+    demand."""
 
     def __init__(self, model_path: str, architecture: str) -> None:
         from gguf import dequantize
+
         self.dequantize = dequantize
         self.tensors = {hf_name(t.name): t for t in reader(model_path).tensors}
         # llama.cpp interleaves the two rotary halves of each Llama q/k head; HF keeps them split.
-        self.permuted = {n for n in self.tensors if architecture == "LlamaForCausalLM"
-                         and n.endswith(("q_proj.weight", "k_proj.weight"))}
+        self.permuted = {
+            n
+            for n in self.tensors
+            if architecture == "LlamaForCausalLM" and n.endswith(("q_proj.weight", "k_proj.weight"))
+        }
         for name, t in self.tensors.items():
             self._probe(name, t)
 
@@ -162,24 +203,33 @@ class GGUFTensors:
         try:
             self.dequantize(t.data[:1] if t.data.ndim > 1 else t.data, t.tensor_type)
         except (NotImplementedError, ValueError, KeyError) as e:
-            raise ConfigError(f"--model-path: GGUF tensor {name} has type {t.tensor_type.name}, which the gguf "
-                              f"package cannot dequantize ({e})") from e
+            raise ConfigError(
+                f"--model-path: GGUF tensor {name} has type {t.tensor_type.name}, which the gguf "
+                f"package cannot dequantize ({e})"
+            ) from e
 
     @staticmethod
     def label(name: str) -> str:
         return f"{gguf_name(name)} ({name})"
 
     def shapes(self) -> dict[str, tuple]:
-        return {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in self.tensors.items()}
+        return {
+            name: tuple(int(d) for d in reversed(t.shape.tolist()))
+            for name, t in self.tensors.items()
+        }
 
     def read(self, name: str, shard: tuple[int, int, int] | None, head_dim: int) -> torch.Tensor:
         t = self.tensors[name]
         rows = t.data
         if shard is not None and shard[0] == 0 and rows.ndim > 1:
-            rows = rows[shard[1]:shard[2]]                 # whole quant blocks: dequantize only these rows
+            rows = rows[shard[1] : shard[2]]  # whole quant blocks: dequantize only these rows
             shard = None
-        values = np.require(self.dequantize(rows, t.tensor_type), np.float32, "W")   # F32 is a view of the file
-        tensor = torch.from_numpy(values.reshape(len(rows), -1) if rows.ndim > 1 else values.reshape(-1))
+        values = np.require(
+            self.dequantize(rows, t.tensor_type), np.float32, "W"
+        )  # F32 is a view of the file
+        tensor = torch.from_numpy(
+            values.reshape(len(rows), -1) if rows.ndim > 1 else values.reshape(-1)
+        )
         if name in self.permuted:
             tensor = unpermute_heads(tensor, head_dim)
         if shard is not None:
@@ -189,7 +239,8 @@ class GGUFTensors:
 
 
 def unpermute_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order: per head it interleaves the rotary halves (row 2i+j holds HF row
-    j*head_dim/2 + i); whole heads are permuted independently, so any whole-head row range works."""
+    """Undo llama.cpp's Q/K row order: per head it interleaves the rotary halves (row 2i+j holds HF
+    row j*head_dim/2 + i); whole heads are permuted independently, so any whole-head row range
+    works."""
     heads = weight.shape[0] // head_dim
     return weight.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(weight.shape)

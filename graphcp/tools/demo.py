@@ -9,8 +9,8 @@ import time
 import torch
 
 from graphcp.tools.cli import engine_args
-from graphcp.tools.generate import (chat_ids, greedy_generate, print_steps, replay_logits, stop_ids, text_defaults,
-                                    text_parser)
+from graphcp.tools.generate import (chat_ids, greedy_generate, print_steps, replay_logits,
+                                    stop_ids, text_defaults, text_parser)
 
 
 def serving_batches(vocab: int, n_batches: int, seed: int = 0) -> list[list[tuple[str, list[int]]]]:
