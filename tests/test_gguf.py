@@ -85,9 +85,14 @@ def hf(weights_gguf):
 
 
 @pytest.fixture(scope="module")
-def prompts(gguf_path):
+def tok(gguf_path):
     tok = graphcp.tokenizer(gguf_path)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
     return {rid: chat_ids(tok, text) for rid, text in PROMPTS.items()}
 
 
@@ -180,7 +185,7 @@ def test_cp2_logits_and_kv_match_hf(engines, weights_gguf, hf, prompts, strategy
     assert worst <= TOL, f"{strategy}: worst relative error {worst:.2e}"
 
 
-def test_greedy_extends_match_hf_generate(engines, weights_gguf, hf, prompts):
+def test_greedy_extends_match_hf_generate(engines, weights_gguf, hf, tok, prompts):
     """Both prompts prefilled in one graphed batch, then one-token extends of each rid until 12
     tokens or <|im_end|>, as HF generate stops: "france" ends early, "story" runs the full 12."""
     engine = engines.get(weights_gguf, cp_strategy="zigzag", disable_cuda_graph=False, **ENGINE)
@@ -199,6 +204,7 @@ def test_greedy_extends_match_hf_generate(engines, weights_gguf, hf, prompts):
     assert len(want["story"]) == 12 and 2 < len(want["france"]) < 12 and want["france"][-1] == 2
     generated, steps = greedy_generate(engine, prompts, 12, stop_ids=(2,))
     assert generated == want
+    assert tok.decode(generated["france"], skip_special_tokens=True) == "The capital of France is Paris."
     assert len(steps) == 12 and steps[0].mode == "graph" and steps[0].bucket == 64
     assert [len(s.batch) for s in steps[1:]] == [2] * (len(want["france"]) - 1) + [1] * (
         12 - len(want["france"])
