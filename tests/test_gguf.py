@@ -182,6 +182,7 @@ def test_cp2_logits_and_kv_match_hf(engines, weights_gguf, hf, prompts, strategy
             for (k, v), (k_ref, v_ref) in zip(ours, kv):
                 worst = max(worst, rel_err(k, k_ref), rel_err(v, v_ref))
             engine.release(rid)
+    print(f"real GGUF CP=2 {strategy}: worst relative error {worst:.2e} (logits and KV)")
     assert worst <= TOL, f"{strategy}: worst relative error {worst:.2e}"
 
 
@@ -214,28 +215,15 @@ def test_greedy_extends_match_hf_generate(engines, weights_gguf, hf, tok, prompt
 
 
 def test_generate_cli_answers_in_text(gguf_path, capsys):
-    """Text in, text out through the chat template on the original file, one rank."""
+    """Text in, text out through the chat template and the CLI, on the original file and one rank
+    (the full answer is checked in the greedy test above)."""
     from graphcp.tools.cli import main
 
-    assert (
-        main(
-            [
-                "generate",
-                "--prompt",
-                PROMPTS["france"],
-                "--max-new-tokens",
-                "10",
-                "--tp",
-                "1",
-                "--attn-cp-size",
-                "1",
-                "--disable-cuda-graph",
-            ]
-        )
-        == 0
-    )
+    argv = ["generate", "--prompt", PROMPTS["france"], "--max-new-tokens", "4", "--tp", "1",
+            "--attn-cp-size", "1", "--disable-cuda-graph"]
+    assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "answer: The capital of France is Paris." in printed and "tokens/s" in printed
+    assert "answer: The capital of France\n" in printed and "tokens/s" in printed
 
 
 # -- files graphcp refuses, each before any allocation ---------------------------------------------
@@ -422,4 +410,5 @@ def test_tiny_gguf_families_match_hf(tmp_path, family):
         [rel_err(out.logits[0], logits)]
         + [max(rel_err(k, kr), rel_err(v, vr)) for (k, v), (kr, vr) in zip(ours, kv)]
     )
+    print(f"tiny {family} GGUF: worst relative error {worst:.2e} (logits and KV)")
     assert worst <= TOL, f"{family}: worst relative error {worst:.2e}"
