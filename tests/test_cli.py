@@ -24,7 +24,7 @@ def test_bench_json_and_plot(checkpoint, tmp_path, capsys):
 
 
 def test_demo_table_and_cp_comparison(checkpoint, capsys):
-    rc = main(["demo", "--model-path", checkpoint, "--batches", "2", "--max-total-tokens", "4096"])
+    rc = main(["demo", "--random-model", "--model-path", checkpoint, "--batches", "2", "--max-total-tokens", "4096"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "request" in printed and "tokens/s" in printed and "graph" in printed

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
+from graphcp.models.gguf import hf_config, is_gguf
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -62,12 +63,19 @@ class ModelConfig:
 
 
 def read_model_config(model_path: str) -> ModelConfig:
+    """From config.json, or from a GGUF file's metadata mapped to the same fields (one validation)."""
+    if is_gguf(model_path):
+        return _from_raw(hf_config(model_path), "GGUF metadata")
     path = os.path.join(model_path, "config.json")
     try:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"--model-path: cannot read {path}: {e}") from e
+    return _from_raw(raw, "config.json")
+
+
+def _from_raw(raw: dict, source: str) -> ModelConfig:
     archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
     arch = archs[0] if archs else ""
     if arch not in ARCHITECTURES:
@@ -77,9 +85,9 @@ def read_model_config(model_path: str) -> ModelConfig:
 
     def need(key: str) -> int:
         if key not in raw or not isinstance(raw[key], int) or raw[key] < 1:
-            raise ConfigError(f"--model-path: config.json field {key!r} must be a positive integer, got {raw.get(key)!r}")
+            raise ConfigError(f"--model-path: {source} field {key!r} must be a positive integer, got {raw.get(key)!r}")
         if key in LIMITS and raw[key] > LIMITS[key]:
-            raise ConfigError(f"--model-path: config.json {key}={raw[key]} exceeds the limit {LIMITS[key]}")
+            raise ConfigError(f"--model-path: {source} {key}={raw[key]} exceeds the limit {LIMITS[key]}")
         return raw[key]
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
@@ -125,7 +133,7 @@ def read_model_config(model_path: str) -> ModelConfig:
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
     if params > 2 * 10**12:
-        raise ConfigError(f"--model-path: config.json describes {params / 1e9:.0f}B parameters, beyond any machine")
+        raise ConfigError(f"--model-path: {source} describes {params / 1e9:.0f}B parameters, beyond any machine")
     return cfg
 
 

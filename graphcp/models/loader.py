@@ -1,4 +1,5 @@
-"""Load an HF checkpoint (config.json + safetensors, sharded or not) into a CausalLM. Never unpickles.
+"""Load an HF checkpoint (config.json + safetensors, sharded or not) or a GGUF file into a CausalLM.
+Never unpickles.
 
 The whole checkpoint is validated (names, shapes) against the full model first; then each rank reads only
 the tensors of its pipeline stage and only its tensor-parallel slice of each.
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
+from graphcp.models.gguf import GGUFTensors, is_gguf
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
 from graphcp.models.parallel import TPInfo
@@ -47,7 +49,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     """``ep``: this rank's experts (MoE). ``keep_fp8`` (FP8 checkpoints): hold FP8 weights for the
     block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
     cfg = read_model_config(model_path)
-    files = _weight_files(model_path)
+    reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
+    names = set(reader.shapes)
     with torch.device("meta"):
         full = CausalLM(cfg)
         model = CausalLM(cfg, tp, layers, ffn_tp, ep)
@@ -55,10 +58,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
     for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
         del expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"]
-        tensors = experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size)
+        tensors = experts.checkpoint_tensors(prefix, names, cfg.hidden_size)
         expected.update(tensors)
         quantized.update(fp8.quantized_expert_names(prefix, tensors, cfg))
-    _check_names_and_shapes(cfg, expected, files, quantized)
+    _check_names_and_shapes(cfg, expected, reader, quantized)
     model = model.to_empty(device=device).to(dtype)
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
@@ -68,7 +71,6 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
         keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
-    reader = _Reader(files)
 
     def read_expert(source: str, shard: tuple[int, int, int]) -> torch.Tensor:
         """FP8 experts are dequantized at load on every device (no FP8 grouped GEMM yet)."""
@@ -88,7 +90,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
                 tensor = reader.read(source, shards.get(name))
             param.copy_(_finite(source, tensor))
         for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
-            experts.load(prefix, set(files), read_expert,
+            experts.load(prefix, names, read_expert,
                          lambda source, index: _finite(source, reader.take(source, index)))
     if quantized and keep_fp8:
         fp8.attach(model, cfg.fp8_block)
@@ -111,10 +113,22 @@ def _finite(source: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Reader:
-    """Slices of checkpoint tensors by name (``fp8.read_dequantized`` reads a weight and its scales here)."""
+    """Slices of safetensors checkpoint tensors by name (``fp8.read_dequantized`` reads a weight and its
+    scales here); ``shapes`` and ``dtype`` describe the file without reading data."""
 
     def __init__(self, files: dict[str, str]) -> None:
         self.files = files
+        self.shapes, self.dtypes = {}, {}
+        for path in sorted(set(files.values())):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if files.get(name) == path:
+                        s = f.get_slice(name)
+                        self.shapes[name], self.dtypes[name] = tuple(s.get_shape()), s.get_dtype()
+
+    @staticmethod
+    def label(name: str) -> str:
+        return name
 
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
         return self.take(name, lambda s: _read(s, shard))
@@ -125,6 +139,22 @@ class _Reader:
             return index(s) if callable(index) else s[index]
 
 
+class _GGUFReader:
+    """The same interface over a GGUF file: tensors dequantized by the gguf package, per rank slice."""
+
+    def __init__(self, model_path: str, cfg: ModelConfig) -> None:
+        self.gguf, self.head_dim = GGUFTensors(model_path, cfg.architecture), cfg.head_dim
+        self.shapes = self.gguf.shapes()
+        self.dtypes = dict.fromkeys(self.shapes, "F32")      # dequantized to float32
+        self.label = self.gguf.label
+
+    def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+        return self.gguf.read(name, shard, self.head_dim)
+
+    def take(self, name: str, index) -> torch.Tensor:  # noqa: ANN001
+        raise ConfigError(f"--model-path: GGUF tensor {self.label(name)} cannot be read by index")
+
+
 def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001
     if shard is None:
         return tensor_slice[:]
@@ -132,31 +162,26 @@ def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # 
     return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]
 
 
-def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files: dict[str, str],
+def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], reader: _Reader | _GGUFReader,
                             quantized: set[str]) -> None:
+    """Every tensor the model needs, none it does not, each of the right shape and dtype: before any
+    allocation. Errors name the tensor as the checkpoint does (GGUF names next to HF names)."""
+    label, shapes = reader.label, reader.shapes
     scales = {fp8.scale_name(n): fp8.scale_grid(expected[n], cfg.fp8_block) for n in quantized}
     expected = {**expected, **scales}
-    missing = [n for n in expected if n not in files]
+    missing = [n for n in expected if n not in shapes]
     if missing:
         hint = " (quantization_config fp8 needs one per projection weight)" if missing[0] in scales else ""
-        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}{hint}")
-    unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+        raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. "
+                          f"{label(missing[0])!r}{hint}")
+    unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
-                          f"e.g. {unexpected[0]!r}")
-    handles: dict[str, object] = {}
+                          f"e.g. {label(unexpected[0])!r}")
     scale_names = set(scales)
-    try:
-        for name, shape in expected.items():
-            path = files[name]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt").__enter__()
-            tensor = handles[path].get_slice(name)
-            got = tuple(tensor.get_shape())
-            if got != shape:
-                raise ConfigError(f"--model-path: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
-            fp8.check_dtype(name, tensor.get_dtype(), quantized, scale_names)
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise ConfigError(f"--model-path: tensor {label(name)} has shape {list(shapes[name])}, "
+                              f"the model config implies {list(shape)}")
+        fp8.check_dtype(name, reader.dtypes[name], quantized, scale_names)
