@@ -43,9 +43,13 @@ def attention_balance(strategy: str, cp: int, extend_lens: list[int]) -> float:
 
 class _HF:
     def __init__(self, path: str, device: str) -> None:
+        import os
+
         import transformers
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa").to(device)
+        kw = dict(dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa")
+        if path.endswith(".gguf"):          # transformers dequantizes a GGUF itself (needs gguf, accelerate)
+            kw["gguf_file"], path = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
         self.model.eval()
         self.device = device
 
@@ -71,9 +75,14 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default="graphcp-bench.png")
+    parser.add_argument("--real-model", action="store_true",
+                        help="bench the real trained model (SmolLM2-135M-Instruct, GGUF) instead of the random one")
     parser.add_argument("--balance-cp", type=int, default=None,
                         help="CP size for the layout-balance columns (default: the run's, or 4 at CP=1)")
     ns = parser.parse_args(argv)
+    if ns.real_model and ns.model_path is None:
+        from graphcp.models.real_model import smollm2_path
+        ns.model_path = smollm2_path()
     args = engine_args(ns)
     cases = [parse_case(c) for c in ns.cases]
     if args.max_total_tokens is None:
