@@ -49,10 +49,13 @@ class EngineArgs:
     disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
     disaggregation_transfer_timeout_s: float = 30.0
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
+    speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
             object.__setattr__(self, "cuda_graph_buckets", tuple(int(b) for b in self.cuda_graph_buckets))
+        if self.speculative_aux_hidden_layers is not None:
+            object.__setattr__(self, "speculative_aux_hidden_layers", tuple(self.speculative_aux_hidden_layers))
         self._validate()
 
     # -- validation -------------------------------------------------------------------------
@@ -118,6 +121,7 @@ class EngineArgs:
                                   "interleave and --attn-cp-size >= 2")
             if self.pp_size != 1:
                 raise ConfigError("--enable-dsa-cache-layer-split needs --pp 1")
+        _check_aux_layers(self.speculative_aux_hidden_layers)
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
@@ -203,6 +207,8 @@ class EngineArgs:
             help="seconds a KV transfer may make no progress before it fails with TransferError")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
+        add("--speculative-aux-hidden-layers", type=int, nargs="+", default=None,
+            help="layer ids whose incoming residual stream prefill returns (out.aux_hidden_states), e.g. 1 5 9")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -224,6 +230,10 @@ def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelCo
                           f"num_key_value_heads={cfg.num_key_value_heads}")
     if args.pp_size > cfg.num_hidden_layers:
         raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
+    bad = [i for i in args.speculative_aux_hidden_layers or () if i >= cfg.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"--speculative-aux-hidden-layers: layer id {bad[0]} is out of range; the model "
+                          f"has layers 0..{cfg.num_hidden_layers - 1}")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -231,6 +241,19 @@ class _RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"bad flags: {message}")
+
+
+def _check_aux_layers(layers: tuple | None) -> None:
+    """Layer ids before the model is known: integers >= 0, each once (the range is checked at start)."""
+    if layers is None:
+        return
+    flag = "--speculative-aux-hidden-layers"
+    if not layers:
+        raise ConfigError(f"{flag} needs at least one layer id (leave it unset for none)")
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+        raise ConfigError(f"{flag} must be layer ids (integers >= 0), got {list(layers)}")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"{flag} lists a layer id twice: {list(layers)}")
 
 
 def _choice(flag: str, value: object, choices: Sequence[str]) -> None:
