@@ -50,6 +50,8 @@ class EngineArgs:
     disaggregation_transfer_timeout_s: float = 30.0
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
     speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
+    enable_adaptive_cp: bool = False                 # short requests whole on one CP rank, long ones zigzag
+    adaptive_cp_threshold: int | None = None         # new tokens from which a request is split (None: model)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
@@ -122,6 +124,11 @@ class EngineArgs:
             if self.pp_size != 1:
                 raise ConfigError("--enable-dsa-cache-layer-split needs --pp 1")
         _check_aux_layers(self.speculative_aux_hidden_layers)
+        if self.enable_adaptive_cp and (self.cp_size < 2 or self.cp_strategy != "zigzag"):
+            raise ConfigError("--enable-adaptive-cp needs --enable-prefill-cp, --cp-strategy zigzag and "
+                              "--attn-cp-size >= 2")
+        if self.adaptive_cp_threshold is not None and (not self.enable_adaptive_cp or self.adaptive_cp_threshold < 1):
+            raise ConfigError("--adaptive-cp-threshold must be a token count >= 1 and needs --enable-adaptive-cp")
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
@@ -207,6 +214,10 @@ class EngineArgs:
             help="seconds a KV transfer may make no progress before it fails with TransferError")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
+        add("--enable-adaptive-cp", action="store_true",
+            help="per batch: short requests whole on one CP rank (balanced), long ones zigzag")
+        add("--adaptive-cp-threshold", type=int, default=None,
+            help="new tokens from which adaptive CP splits a request (default: from the cost model)")
         add("--speculative-aux-hidden-layers", type=int, nargs="+", default=None,
             help="layer ids whose incoming residual stream prefill returns (out.aux_hidden_states), e.g. 1 5 9")
 

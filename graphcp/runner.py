@@ -18,6 +18,7 @@ from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, check_model_fits
 from graphcp.errors import ConfigError
+from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.strategy import make_strategy
 from graphcp.dist.comm import recv, send
 from graphcp.dist.parallel import RankParallel
@@ -61,6 +62,8 @@ class ModelRunner:
                                           bottom_right=not interleave, page_size=args.page_size, heads=heads)
         self.kernel = KERNELS[self.kernel_name]
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
+        if args.enable_adaptive_cp:
+            self.strategy = adaptive_strategy(args.cp_size, args.adaptive_cp_threshold, rank == 0)
         self.layers = par.layers
         self.aux = AuxHidden(args.speculative_aux_hidden_layers or (), cfg.hidden_size, par.layers)
         self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp,
@@ -121,10 +124,11 @@ class ModelRunner:
                                     f"context limit {self.max_context} fills it")
         ext, prefix = dummy
         ids = [torch.randint(0, vocab, (e,), generator=torch.Generator().manual_seed(seed)) for e in ext]
-        self.staging.fill(ext, prefix, [[] for _ in ext], ids)
+        strategy = self.strategy.for_batch(ext, prefix)
+        self.staging.fill(ext, prefix, [[] for _ in ext], ids, strategy.whole_on)
         self.static.packed.copy_(self.staging.packed)
-        host = self.strategy.host_maxima(ext, prefix, self.me.cp_rank)
-        return ForwardBatch(self.static, self.strategy, bucket, host, bucket, self.aux_static)
+        host = strategy.host_maxima(ext, prefix, self.me.cp_rank)
+        return ForwardBatch(self.static, strategy, bucket, host, bucket, self.aux_static)
 
     def prepare_for_replay(self, batch: ForwardBatch) -> None:
         self.static.packed.copy_(batch.inputs.packed, non_blocking=True)
@@ -142,7 +146,8 @@ class ModelRunner:
         desc, strategy = batch.inputs, batch.strategy
         with nvtx_range("cp_metadata"):
             meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
-                                     self.me.cp_rank % strategy.cp_size, batch.local_cap, self.args.page_size)
+                                     self.me.cp_rank % strategy.cp_size, batch.local_cap, self.args.page_size,
+                                     desc.whole_on)
             local_ids = desc.input_ids.index_select(0, meta.token_index)
             if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy
                 meta, (local_ids,) = meta.to(self.device, local_ids)
@@ -207,7 +212,7 @@ class ModelRunner:
             ext, prefix, rows, ids = [0], [0], [[]], [torch.zeros(0, dtype=torch.long)]
         host = plan.strategy.host_maxima(ext, prefix, self.me.cp_rank)
         if plan.bucket is not None:
-            self.staging.fill(ext, prefix, rows, ids)
+            self.staging.fill(ext, prefix, rows, ids, plan.strategy.whole_on)
             aux = self.aux_static
             batch = ForwardBatch(self.staging, plan.strategy, plan.bucket, host, plan.bucket, aux)
             with count_host_ops(count_ops) as counter:
@@ -215,7 +220,7 @@ class ModelRunner:
         else:
             with count_host_ops(count_ops) as counter:     # metadata on the host, then one copy
                 desc = Descriptors.allocate(len(ext), max(1, max(len(r) for r in rows)), max(1, sum(ext)))
-                desc.fill(ext, prefix, rows, ids)
+                desc.fill(ext, prefix, rows, ids, plan.strategy.whole_on)
                 aux = self._aux_buffer(sum(ext))
                 logits = self.forward(ForwardBatch(desc, plan.strategy, plan.local_cap, host, None, aux))
         count = counter.count if counter is not None else 0

@@ -56,13 +56,19 @@ def _slots(page_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, page_
 
 
 def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                    cp_size: int, rank: int, local_cap: int, page_size: int) -> CPMetadata:
+                    cp_size: int, rank: int, local_cap: int, page_size: int,
+                    whole_on: torch.Tensor | None = None) -> CPMetadata:
     """Zigzag: each request split in 2C blocks (early blocks take the remainder); rank r owns blocks
-    r and 2C-1-r. Local order: every request's early block, then every request's late block."""
+    r and 2C-1-r. Local order: every request's early block, then every request's late block.
+    ``whole_on`` (adaptive CP): a request with value r + 1 is one early block r, whole on rank r, and the
+    rank holding each request's last token owns its logit row (the strategy then reduces the rows)."""
     dev, C, R = extend_lens.device, cp_size, extend_lens.shape[0]
     nblk = 2 * C
     blk_id = torch.arange(nblk, device=dev)
     blk = extend_lens[:, None] // nblk + (blk_id[None, :] < (extend_lens % nblk)[:, None]).long()   # [R, 2C]
+    if whole_on is not None:
+        whole = (whole_on > 0).long()[:, None]
+        blk = blk * (1 - whole) + extend_lens[:, None] * (blk_id[None, :] == (whole_on - 1)[:, None]).long()
     blk_end = torch.cumsum(blk, 1)
     blk_start = blk_end - blk
     ranks = torch.arange(C, device=dev)
@@ -90,6 +96,10 @@ def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_t
     last_early = cu_r[1:R + 1] - 1
     logit_rows = torch.where(blk[:, nblk - 1] > 0, last_late, last_early).clamp(min=0)
     owner = (extend_lens > 0).long() if rank == 0 else torch.zeros_like(extend_lens)
+    if whole_on is not None:    # rank 0 holds the split requests' last tokens, rank r those whole on it
+        last_rank = torch.where(whole_on > 0, whole_on - 1, 0)
+        owner = ((extend_lens > 0) & (last_rank == rank)).long()
+        logit_rows = torch.where(whole_on > 0, last_early.clamp(min=0), logit_rows) * owner
     return CPMetadata(
         cp_size=C, local_cap=local_cap, token_index=token_index[rank], positions=position[rank],
         valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
