@@ -62,8 +62,6 @@ class ModelRunner:
                                           bottom_right=not interleave, page_size=args.page_size, heads=heads)
         self.kernel = KERNELS[self.kernel_name]
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
-        if args.enable_adaptive_cp:
-            self.strategy = adaptive_strategy(args.cp_size, args.adaptive_cp_threshold, rank == 0)
         self.layers = par.layers
         self.aux = AuxHidden(args.speculative_aux_hidden_layers or (), cfg.hidden_size, par.layers)
         self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp,
@@ -88,6 +86,12 @@ class ModelRunner:
                                num_pages, args.page_size, self.max_context, args.max_batch_requests)
         self.scale = cfg.head_dim ** -0.5
         self.kv_sender = start_sender(self)      # PD prefill mode: a Mooncake engine with the pool registered
+        if args.enable_adaptive_cp:              # placement weights measured here, before any capture
+            from graphcp.calibrate import calibrate
+            with torch.inference_mode():
+                cost = calibrate(self)
+            self.strategy = self.planner.strategy = adaptive_strategy(args.cp_size, args.adaptive_cp_threshold,
+                                                                      cost, rank == 0)
 
         self.graph_reason = config_ineligibility(args, self.backend)
         self.graphs: GraphRunner | None = None
@@ -265,12 +269,21 @@ class ModelRunner:
                 "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
                 "capture_failures": graphs.failures if graphs else {},
-                "capture_records": [vars(r) for r in graphs.records.values()] if graphs else []}
+                "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
+                "adaptive_cp": _adaptive_stats(self.strategy)}
 
     def collective_counts(self) -> dict:
         comm = self.comm
         return {"all_gathers": comm.num_all_gathers if comm else 0,
                 "all_reduces": comm.num_all_reduces if comm else 0}
+
+
+def _adaptive_stats(strategy) -> dict | None:  # noqa: ANN001
+    cost = getattr(strategy, "cost", None)
+    if cost is None:
+        return None
+    return {"threshold": strategy.threshold, "per_token_s": cost.per_token, "per_pair_s": cost.per_pair,
+            "per_gather_token_s": cost.per_gather_token, "fixed_s": cost.fixed}
 
 
 def _normalize(device: torch.device) -> torch.device:

@@ -66,3 +66,21 @@ def test_adaptive_needs_zigzag_cp(checkpoint):
         EngineArgs(model_path=checkpoint, **cp_kwargs(2, "interleave", enable_adaptive_cp=True))
     with pytest.raises(ConfigError, match="--adaptive-cp-threshold"):
         EngineArgs(model_path=checkpoint, adaptive_cp_threshold=10)
+
+
+def test_threshold_from_the_cost_model():
+    from graphcp.cp.adaptive import CostModel
+    # Splitting saves (1 - 1/C) w(n) and costs n g: with C = 2, g = 3, a = 1, b = 0.01 -> n > 2 * 5 / 0.01.
+    assert CostModel(1.0, 0.01, per_gather_token=3.0).split_from(2) == 1000
+    assert CostModel(1.0, 0.01, per_gather_token=0.1).split_from(2) == 4      # cheap gathers: always split
+
+
+def test_calibrated_at_start(checkpoint, engines, oracle):
+    engine = engines.get(checkpoint, **cp_kwargs(2, "zigzag", enable_adaptive_cp=True, cuda_graph_buckets=[64, 128]))
+    model = engine.stats()["adaptive_cp"]
+    assert model["threshold"] >= 4 and model["per_token_s"] > 0 and model["per_pair_s"] > 0
+    assert model["per_gather_token_s"] > 0
+    s = Session(engine, oracle, checkpoint)
+    out = s.run([(f"c{i}", random_ids(n, VOCAB, 80 + i)) for i, n in enumerate(BATCHES["mixed"])])
+    assert sum(out.per_rank_tokens) == sum(BATCHES["mixed"]) and out.cp_applied
+    s.release_all()

@@ -22,16 +22,25 @@ log = logging.getLogger("graphcp")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Work of a request on one rank: linear work per token plus attention work per (query, key) pair."""
-    per_token: float = 1.0
-    per_pair: float = 1.0 / 512
+    """Seconds of a request's work on one rank: linear work per token plus attention work per (query,
+    key) pair; and the all-gather of its K/V rows per token (every layer). Measured by ``calibrate``."""
+    per_token: float
+    per_pair: float
+    per_gather_token: float = 0.0
+    fixed: float = 0.0
 
     def work(self, new: int, prefix: int) -> float:
         return new * (self.per_token + self.per_pair * (prefix + (new + 1) / 2))
 
-    def split_from(self) -> int:
-        """New tokens from which attention work outweighs linear work (the part splitting balances best)."""
-        return int(2 * self.per_token / self.per_pair)
+    def split_from(self, cp_size: int) -> int:
+        """Fewest new tokens for which splitting pays: the work a split takes off the request's rank,
+        (1 - 1/C) w(n), exceeds the all-gather of its rows, n g (SGLang's CP-vs-DP trade)."""
+        per_token = self.per_gather_token * cp_size / (cp_size - 1) - self.per_token
+        return max(2 * cp_size, int(2 * per_token / self.per_pair))
+
+    def describe(self) -> str:
+        return (f"per token {self.per_token * 1e6:.3g} us, per attention pair {self.per_pair * 1e9:.3g} ns, "
+                f"K/V all-gather per token {self.per_gather_token * 1e6:.3g} us, fixed {self.fixed * 1e3:.3g} ms")
 
 
 class AdaptiveZigzagStrategy(ZigzagStrategy):
@@ -43,7 +52,7 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
                  whole_on: list[int] | None = None) -> None:
         super().__init__(cp_size)
         self.threshold = max(threshold, 2 * cp_size)     # zigzag needs 2C tokens to split a request
-        self.cost = cost or CostModel()
+        self.cost = cost or CostModel(1.0, 1.0 / 512)     # placement weights until calibrated
         self.whole_on = whole_on
 
     @property
@@ -100,11 +109,11 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         return rows
 
 
-def adaptive_strategy(cp_size: int, threshold: int | None, announce: bool) -> AdaptiveZigzagStrategy:
-    cost = CostModel()
-    strategy = AdaptiveZigzagStrategy(cp_size, threshold or cost.split_from(), cost)
+
+def adaptive_strategy(cp_size: int, threshold: int | None, cost: CostModel, announce: bool) -> AdaptiveZigzagStrategy:
+    strategy = AdaptiveZigzagStrategy(cp_size, threshold or cost.split_from(cp_size), cost)
     if announce:
         log.info("graphcp: adaptive CP: requests with >= %d new tokens are split (zigzag), shorter ones run "
-                 "whole on one CP rank (%s)", strategy.threshold,
-                 "--adaptive-cp-threshold" if threshold else f"cost model {cost}")
+                 "whole on one CP rank (%s); measured cost model: %s", strategy.threshold,
+                 "--adaptive-cp-threshold" if threshold else "from the cost model", cost.describe())
     return strategy
