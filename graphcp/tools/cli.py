@@ -1,4 +1,4 @@
-"""``graphcp demo | bench | profile | soak | pd-bench``: the engine's command line."""
+"""``graphcp demo | bench | profile | soak | pd-bench | adaptive-bench``: the engine's command line."""
 from __future__ import annotations
 
 import argparse
@@ -32,9 +32,10 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "graphcp.tools.demo", "bench": "graphcp.tools.bench", "profile": "graphcp.tools.profile",
-                "soak": "graphcp.tools.soak", "pd-bench": "graphcp.tools.pd_bench"}
+                "soak": "graphcp.tools.soak", "pd-bench": "graphcp.tools.pd_bench",
+                "adaptive-bench": "graphcp.tools.adaptive_bench"}
     if not argv or argv[0] not in commands:
-        print("usage: graphcp {demo,bench,profile,soak,pd-bench} [engine flags]   (graphcp CMD --help for details)")
+        print("usage: graphcp {demo,bench,profile,soak,pd-bench,adaptive-bench} [engine flags]   (graphcp CMD --help for details)")
         return 2
     import importlib
     module = importlib.import_module(commands[argv[0]])
