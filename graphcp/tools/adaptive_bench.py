@@ -20,7 +20,7 @@ from graphcp.batch import Request
 from graphcp.config import EngineArgs
 from graphcp.tools.cli import engine_args, engine_parser
 
-CASES = {"all_short": [32] * 8, "mixed": [384] + [32] * 6}
+CASES = {"all_short": [40, 3, 24, 2, 33, 17, 3, 10], "mixed": [384, 3, 48, 20, 2, 64]}   # some < 2C
 
 
 def rank_work(strategy, extend_lens: list[int], cost) -> list[float]:  # noqa: ANN001
@@ -58,7 +58,8 @@ def adaptive_bench(args: EngineArgs, reps: int = 3, seed: int = 0) -> dict:
                 model = engine.stats()["adaptive_cp"]
                 threshold = model["threshold"]
                 from graphcp.cp.adaptive import AdaptiveZigzagStrategy, CostModel
-                cost = CostModel(model["per_token_s"], model["per_pair_s"], model["per_gather_token_s"])
+                cost = CostModel(model["per_token_s"], model["per_pair_s"], model["per_gather_token_s"],
+                                 model["fixed_s"])
                 strategies[layout] = AdaptiveZigzagStrategy(args.cp_size, threshold, cost)
             for name, ids in batches.items():
                 times, out = [], None
