@@ -2,8 +2,8 @@
 
 Three eager forwards (run unsharded, so each rank computes them whole) give the fixed, per-token and
 per-attention-pair costs; timed all-gathers of one layer's K/V rows give the all-gather cost per token.
-Every rank measures the same batches (their collectives match) and the CP group averages the results,
-so every rank places batches alike.
+Every rank measures the same batches (their collectives match) and the whole world averages the
+results, so every rank of every pipeline stage and DP group places batches alike.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def calibrate(runner, reps: int = 3) -> CostModel:  # noqa: ANN001 - a ModelRunn
     per_gather = _gather_seconds_per_token(runner, 256, reps)
     values = torch.tensor([max(per_token, 1e-9), max(per_pair, 1e-12), per_gather, max(fixed, 0.0)],
                           dtype=torch.float64, device=runner.device)
-    all_reduce(values, runner.comm.group)           # one cost model for the whole CP group
-    per_token, per_pair, per_gather, fixed = (values / runner.comm.size).tolist()
+    all_reduce(values, None)                        # one cost model for every rank
+    per_token, per_pair, per_gather, fixed = (values / runner.args.world_size).tolist()
     return CostModel(per_token, per_pair, per_gather, fixed)
 
 
@@ -37,7 +37,8 @@ def _forward_seconds(runner, n_req: int, n: int) -> float:  # noqa: ANN001
     """One eager forward of ``n_req`` requests of ``n`` tokens; every page is the dummy page."""
     ext, prefix = [n] * n_req, [0] * n_req
     desc = Descriptors.allocate(n_req, -(-n // runner.args.page_size), n_req * n)   # page 0: the dummy page
-    ids = torch.randint(0, runner.model_config.vocab_size, (n_req * n,), generator=torch.Generator().manual_seed(n))
+    vocab = runner.model_config.vocab_size
+    ids = torch.randint(0, vocab, (n_req * n,), generator=torch.Generator().manual_seed(n))
     desc.fill(ext, prefix, [[] for _ in ext], list(ids.split(n)))
     strategy = unsharded()
     batch = ForwardBatch(desc, strategy, n_req * n, strategy.host_maxima(ext, prefix, 0),
