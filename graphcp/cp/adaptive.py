@@ -7,9 +7,8 @@ descriptors and the metadata reads it with tensor ops, so every placement of a b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -59,7 +58,7 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
     def min_request_len(self) -> int:
         return 1
 
-    def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> "AdaptiveZigzagStrategy":
+    def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> AdaptiveZigzagStrategy:
         """This strategy with the batch's placement decided."""
         loads = [0.0] * self.cp_size
         whole_on = [0] * len(extend_lens)

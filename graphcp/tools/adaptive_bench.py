@@ -99,7 +99,7 @@ def run(argv: list[str]) -> int:
           f"{'max rank work ms':>17} {'max/mean':>8}")
     for c in report["cases"]:
         print(f"{c['batch']:>10} {c['layout']:>14} {c['mode']:>6} {c['tokens_per_s']:>9.0f} "
-              f"{str(c['per_rank_tokens']):>14} {c['max_rank_work_ms']:>17.2f} {c['max_over_mean']:>8.3f}")
+              f"{c['per_rank_tokens']!s:>14} {c['max_rank_work_ms']:>17.2f} {c['max_over_mean']:>8.3f}")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(report | {"config": args.to_dict()}, f, indent=2)
