@@ -73,6 +73,17 @@ def test_cp2_zigzag_graph_eager_and_unsharded(aux_checkpoint, engines, oracle):
     s.release_all()
 
 
+def test_cp2_adaptive_placement_graph(aux_checkpoint, engines, oracle):
+    """Adaptive CP: short requests whole on one rank, long ones split; rows still in batch order."""
+    s = _session(engines, oracle, aux_checkpoint, **cp_kwargs(2, "zigzag", enable_adaptive_cp=True,
+                                                            adaptive_cp_threshold=40))
+    out = s.run([("a", random_ids(50, VOCAB, 50)), ("b", random_ids(3, VOCAB, 51)), ("c", random_ids(21, VOCAB, 52)),
+                 ("d", random_ids(9, VOCAB, 53))], check_kv=True)
+    assert out.mode == "graph" and out.cp_applied and sum(out.per_rank_tokens) == 83, out.eager_reason
+    s.run([("c", random_ids(12, VOCAB, 54))])
+    s.release_all()
+
+
 def test_interleave_over_pipeline_stages(aux_checkpoint, engines, oracle):
     """CP 2 interleave on each of 2 stages: stage 0 sends layer 0's columns with its hidden state."""
     s = _session(engines, oracle, aux_checkpoint, pp_size=2, **cp_kwargs(2, "interleave"))
