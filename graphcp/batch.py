@@ -27,6 +27,7 @@ class PrefillOutput:
     cp_applied: bool                       # False when the batch ran without token sharding
     per_rank_tokens: list[int] = field(default_factory=list)
     host_ops: int | None = None            # ops launched outside captured segments (when counted)
+    aux_hidden_states: torch.Tensor | None = None   # float32 [new tokens, layers x hidden] (speculative)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RankReply:
     output: PrefillOutput
     request_indices: list[int]             # the batch positions this rank's DP group answered for
     dp_group: int
+    extend_lens: list[int] = field(default_factory=list)   # new tokens of each answered request
 
 
 def _token_tensor(rid: str, ids: object) -> torch.Tensor:

@@ -42,7 +42,9 @@ def execute(runner, cmd: str, payload: Any, over_ipc: bool = False) -> Any:  # n
         raise ValueError(f"unknown command {cmd!r}")
     result = COMMANDS[cmd](runner, payload)
     if over_ipc and isinstance(result, RankReply):
-        result = replace(result, output=replace(result.output, logits=result.output.logits.numpy()))
+        out, aux = result.output, result.output.aux_hidden_states
+        result = replace(result, output=replace(out, logits=out.logits.numpy(),
+                                                aux_hidden_states=None if aux is None else aux.numpy()))
     return result
 
 
@@ -72,6 +74,8 @@ def _merge_prefill(replies: list[RankReply]) -> PrefillOutput:
     for o in outs:
         if not isinstance(o.logits, torch.Tensor):
             o.logits = torch.from_numpy(o.logits)
+        if o.aux_hidden_states is not None and not isinstance(o.aux_hidden_states, torch.Tensor):
+            o.aux_hidden_states = torch.from_numpy(o.aux_hidden_states)
     if len(outs) == 1:
         return outs[0]
     order = [i for r in replies for i in r.request_indices]
@@ -81,7 +85,20 @@ def _merge_prefill(replies: list[RankReply]) -> PrefillOutput:
                          mode="graph" if all(o.mode == "graph" for o in outs) else "eager",
                          graph_bucket=outs[0].graph_bucket, eager_reason=reasons[0] if reasons else None,
                          cp_applied=all(r.output.cp_applied for r in replies if r.request_indices),
-                         per_rank_tokens=[n for o in outs for n in o.per_rank_tokens])
+                         per_rank_tokens=[n for o in outs for n in o.per_rank_tokens],
+                         aux_hidden_states=_merge_aux(replies))
+
+
+def _merge_aux(replies: list[RankReply]) -> torch.Tensor | None:
+    """Every DP group's aux rows, request by request in the caller's order."""
+    if all(r.output.aux_hidden_states is None for r in replies):
+        return None
+    rows = {}
+    for r in replies:
+        if r.request_indices:
+            parts = r.output.aux_hidden_states.split(r.extend_lens)
+            rows.update(zip(r.request_indices, parts))
+    return torch.cat([rows[i] for i in sorted(rows)])
 
 
 def _merge_kv(parts: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:

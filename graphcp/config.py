@@ -50,10 +50,15 @@ class EngineArgs:
     disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
     disaggregation_transfer_timeout_s: float = 30.0
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
+    speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
+    enable_adaptive_cp: bool = False                 # short requests whole on one CP rank, long ones zigzag
+    adaptive_cp_threshold: int | None = None         # new tokens from which a request is split (None: model)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_buckets is not None:
             object.__setattr__(self, "cuda_graph_buckets", tuple(int(b) for b in self.cuda_graph_buckets))
+        if self.speculative_aux_hidden_layers is not None:
+            object.__setattr__(self, "speculative_aux_hidden_layers", tuple(self.speculative_aux_hidden_layers))
         self._validate()
 
     # -- validation -------------------------------------------------------------------------
@@ -117,6 +122,12 @@ class EngineArgs:
                                   "interleave and --attn-cp-size >= 2")
             if self.pp_size != 1:
                 raise ConfigError("--enable-dsa-cache-layer-split needs --pp 1")
+        _check_aux_layers(self.speculative_aux_hidden_layers)
+        if self.enable_adaptive_cp and (self.cp_size < 2 or self.cp_strategy != "zigzag"):
+            raise ConfigError("--enable-adaptive-cp needs --enable-prefill-cp, --cp-strategy zigzag and "
+                              "--attn-cp-size >= 2")
+        if self.adaptive_cp_threshold is not None and (not self.enable_adaptive_cp or self.adaptive_cp_threshold < 1):
+            raise ConfigError("--adaptive-cp-threshold must be a token count >= 1 and needs --enable-adaptive-cp")
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
@@ -202,6 +213,12 @@ class EngineArgs:
             help="seconds a KV transfer may make no progress before it fails with TransferError")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
+        add("--enable-adaptive-cp", action="store_true",
+            help="per batch: short requests whole on one CP rank (balanced), long ones zigzag")
+        add("--adaptive-cp-threshold", type=int, default=None,
+            help="new tokens from which adaptive CP splits a request (default: from the cost model)")
+        add("--speculative-aux-hidden-layers", type=int, nargs="+", default=None,
+            help="layer ids whose incoming residual stream prefill returns (out.aux_hidden_states), e.g. 1 5 9")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -223,6 +240,10 @@ def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelCo
                           f"num_key_value_heads={cfg.num_key_value_heads}")
     if args.pp_size > cfg.num_hidden_layers:
         raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
+    bad = [i for i in args.speculative_aux_hidden_layers or () if i >= cfg.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"--speculative-aux-hidden-layers: layer id {bad[0]} is out of range; the model "
+                          f"has layers 0..{cfg.num_hidden_layers - 1}")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -240,6 +261,19 @@ def _check_hf_dir(path: str) -> None:
         pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
         hint = f" (found {pickled[0]}: pickle checkpoints are never loaded; convert to safetensors)" if pickled else ""
         raise ConfigError(f"--model-path {path!r} has no *.safetensors weights{hint}")
+
+
+def _check_aux_layers(layers: tuple | None) -> None:
+    """Layer ids before the model is known: integers >= 0, each once (the range is checked at start)."""
+    if layers is None:
+        return
+    flag = "--speculative-aux-hidden-layers"
+    if not layers:
+        raise ConfigError(f"{flag} needs at least one layer id (leave it unset for none)")
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+        raise ConfigError(f"{flag} must be layer ids (integers >= 0), got {list(layers)}")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"{flag} lists a layer id twice: {list(layers)}")
 
 
 def _choice(flag: str, value: object, choices: Sequence[str]) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from graphcp.cp.strategy import ContextParallelStrategy
     from graphcp.graph.buffers import Descriptors
 
@@ -30,3 +32,4 @@ class ForwardBatch:
     local_cap: int                        # rows of this rank's padded buffers (the bucket when graphed)
     host: HostMaxima
     bucket: int | None = None             # the graph bucket replayed, None when eager
+    aux_out: "torch.Tensor | None" = None  # speculative aux hidden states land here (static when graphed)

@@ -97,11 +97,12 @@ class Planner:
         rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
         ext = [all_ext[i] for i in indices]
         prefix = [self.pages.prefix_len(r) for r in rids]
-        strategy, cp_applied = self.strategy, self.cp_size > 1
+        strategy, cp_applied = self.strategy.for_batch(ext, prefix), self.cp_size > 1
         if cp_applied and not strategy.applies(ext):
             strategy, cp_applied = unsharded(), False
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
-        local_cap = max(self._local_cap([n for n, d in zip(all_ext, groups) if d == g])
+        local_cap = max(self._local_cap([(n, self.dp_pages[g].prefix_len(r))
+                                         for r, n, d in zip(all_rids, all_ext, groups) if d == g])
                         for g in range(len(self.dp_pages)))
         # Unsharded, every rank holds the whole batch.
         counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.cp_size
@@ -120,12 +121,14 @@ class Planner:
         return BatchPlan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices,
                          local_cap, groups, all_rids, all_ext)
 
-    def _local_cap(self, extend_lens: list[int]) -> int:
-        """Rows of one rank's padded buffers for a DP group's requests (>= 1 so empty groups can join)."""
-        if not extend_lens:
+    def _local_cap(self, requests: list[tuple[int, int]]) -> int:
+        """Rows of one rank's padded buffers for a DP group's (new, prefix) lengths (>= 1 so empty groups
+        can join)."""
+        if not requests:
             return 1
+        extend_lens = [n for n, _ in requests]
         if self.cp_size > 1 and self.strategy.applies(extend_lens):
-            return self.strategy.local_capacity(extend_lens)
+            return self.strategy.for_batch(extend_lens, [p for _, p in requests]).local_capacity(extend_lens)
         return sum(extend_lens)
 
     # -- pages -----------------------------------------------------------------------------------

@@ -14,9 +14,11 @@ import torch
 
 from graphcp.attention.op import PagedAttention
 from graphcp.attention.registry import KERNELS, kv_write_kernel, resolve_kernel
+from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, check_model_fits
 from graphcp.errors import ConfigError
+from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.strategy import make_strategy
 from graphcp.dist.comm import recv, send
 from graphcp.dist.parallel import RankParallel
@@ -61,6 +63,7 @@ class ModelRunner:
         self.kernel = KERNELS[self.kernel_name]
         self.strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
         self.layers = par.layers
+        self.aux = AuxHidden(args.speculative_aux_hidden_layers or (), cfg.hidden_size, par.layers)
         self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp,
                                 par.ep)
         if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
@@ -83,6 +86,12 @@ class ModelRunner:
                                num_pages, args.page_size, self.max_context, args.max_batch_requests)
         self.scale = cfg.head_dim ** -0.5
         self.kv_sender = start_sender(self)      # PD prefill mode: a Mooncake engine with the pool registered
+        if args.enable_adaptive_cp:              # placement weights measured here, before any capture
+            from graphcp.calibrate import calibrate
+            with torch.inference_mode():
+                cost = calibrate(self)
+            self.strategy = self.planner.strategy = adaptive_strategy(args.cp_size, args.adaptive_cp_threshold,
+                                                                      cost, rank == 0)
 
         self.graph_reason = config_ineligibility(args, self.backend)
         self.graphs: GraphRunner | None = None
@@ -104,6 +113,9 @@ class ModelRunner:
         self.static = Descriptors.allocate(req_cap, pages_cap, ids_cap, self.device)
         self.staging = Descriptors.allocate(req_cap, pages_cap, ids_cap, "cpu", pin=self.device.type == "cuda")
         logits = torch.zeros(req_cap, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+        # Speculative aux rows of the largest bucket's batch, plus the row that takes padding.
+        self.aux_static = torch.zeros(ids_cap + 1, self.aux.width, dtype=self.dtype,
+                                      device=self.device) if self.aux.layers else None
         self.graphs = GraphRunner(self, self.device, logits, self.par.all_ranks_agree)
         self.graphs.capture_all(buckets, progress=progress)
 
@@ -116,16 +128,17 @@ class ModelRunner:
                                     f"context limit {self.max_context} fills it")
         ext, prefix = dummy
         ids = [torch.randint(0, vocab, (e,), generator=torch.Generator().manual_seed(seed)) for e in ext]
-        self.staging.fill(ext, prefix, [[] for _ in ext], ids)
+        strategy = self.strategy.for_batch(ext, prefix)
+        self.staging.fill(ext, prefix, [[] for _ in ext], ids, strategy.whole_on)
         self.static.packed.copy_(self.staging.packed)
-        host = self.strategy.host_maxima(ext, prefix, self.me.cp_rank)
-        return ForwardBatch(self.static, self.strategy, bucket, host, bucket)
+        host = strategy.host_maxima(ext, prefix, self.me.cp_rank)
+        return ForwardBatch(self.static, strategy, bucket, host, bucket, self.aux_static)
 
     def prepare_for_replay(self, batch: ForwardBatch) -> None:
         self.static.packed.copy_(batch.inputs.packed, non_blocking=True)
 
     def static_tensors(self) -> list[torch.Tensor]:
-        return [self.static.packed]
+        return [self.static.packed] + ([self.aux_static] if self.aux_static is not None else [])
 
     def has_collective_breaks(self) -> bool:
         return self.args.world_size > 1 and torch.distributed.get_backend() != "nccl"
@@ -137,24 +150,29 @@ class ModelRunner:
         desc, strategy = batch.inputs, batch.strategy
         with nvtx_range("cp_metadata"):
             meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
-                                     self.me.cp_rank % strategy.cp_size, batch.local_cap, self.args.page_size)
+                                     self.me.cp_rank % strategy.cp_size, batch.local_cap, self.args.page_size,
+                                     desc.whole_on)
             local_ids = desc.input_ids.index_select(0, meta.token_index)
             if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy
                 meta, (local_ids,) = meta.to(self.device, local_ids)
         split = self.backend == "flashattention" and strategy.splits_early_late
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, batch.host, split, self.scale)
-        par = self.par
+        par, aux = self.par, self.aux
         with forward_context(attention, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:
-                hidden = self.model(local_ids, meta.positions)
-            else:   # pipeline: CP-local hidden states from the previous stage, no gather in between
-                hidden = torch.empty(batch.local_cap, self.model_config.hidden_size, dtype=self.dtype,
-                                     device=self.device)
-                recv(hidden, src=self.rank - self.args.tp_size)
-                hidden = self.model(None, meta.positions, hidden=hidden)
+                hidden, columns = self.model(local_ids, meta.positions, capture_layers=aux.here)
+                received = {}
+            else:   # pipeline: CP-local hidden states (and aux columns) from the previous stage
+                message = torch.empty(batch.local_cap, aux.recv_width, dtype=self.dtype, device=self.device)
+                recv(message, src=self.rank - self.args.tp_size)
+                hidden, received = aux.unpack(message)
+                hidden, columns = self.model(None, meta.positions, hidden=hidden, capture_layers=aux.here)
+        columns = {**received, **dict(zip(aux.here, columns))}
         if not par.last_stage:
-            send(hidden, dst=self.rank + self.args.tp_size)
+            send(aux.pack(hidden, columns), dst=self.rank + self.args.tp_size)
             return None
+        if aux.layers:
+            gather_rows(batch.aux_out, aux.local(columns), meta, self.comm)
         rows = strategy.reduce_last_rows(hidden.index_select(0, meta.logit_rows), meta, self.comm)
         return self.model.compute_logits(rows)
 
@@ -170,9 +188,11 @@ class ModelRunner:
             with nvtx_range("prefill"):
                 # A DP group without requests still joins the FFN and MoE collectives when there are any.
                 run = plan.rids or self.par.communicator is not None or self.par.moe_comm is not None
-                logits, host_ops = self._run(plan, count_ops) if run else (None, 0)
+                logits, aux, host_ops = self._run(plan, count_ops) if run else (None, None, 0)
             if logits is not None:
                 logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
+            if aux is not None:
+                aux = aux.to("cpu", torch.float32, copy=True) if self.me.is_output else None
         except BaseException:
             self.planner.rollback(txn)
             raise
@@ -183,10 +203,11 @@ class ModelRunner:
             logits=logits, next_token_ids=logits.argmax(-1).tolist(),
             mode="graph" if plan.bucket is not None else "eager", graph_bucket=plan.bucket,
             eager_reason=plan.eager_reason if plan.bucket is None else None, cp_applied=plan.cp_applied,
-            per_rank_tokens=plan.per_rank_tokens, host_ops=host_ops if count_ops else None)
-        return RankReply(out, plan.indices, self.me.dp_rank)
+            per_rank_tokens=plan.per_rank_tokens, host_ops=host_ops if count_ops else None,
+            aux_hidden_states=aux)
+        return RankReply(out, plan.indices, self.me.dp_rank, plan.extend_lens)
 
-    def _run(self, plan: BatchPlan, count_ops: bool) -> tuple[torch.Tensor | None, int]:
+    def _run(self, plan: BatchPlan, count_ops: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         rows = self.planner.pages.rows(plan.rids)
         self.pool.begin_batch(rows, plan.prefix_lens)
         ext, prefix, ids = plan.extend_lens, plan.prefix_lens, plan.ids
@@ -195,17 +216,27 @@ class ModelRunner:
             ext, prefix, rows, ids = [0], [0], [[]], [torch.zeros(0, dtype=torch.long)]
         host = plan.strategy.host_maxima(ext, prefix, self.me.cp_rank)
         if plan.bucket is not None:
-            self.staging.fill(ext, prefix, rows, ids)
-            batch = ForwardBatch(self.staging, plan.strategy, plan.bucket, host, plan.bucket)
+            self.staging.fill(ext, prefix, rows, ids, plan.strategy.whole_on)
+            aux = self.aux_static
+            batch = ForwardBatch(self.staging, plan.strategy, plan.bucket, host, plan.bucket, aux)
             with count_host_ops(count_ops) as counter:
                 logits = self.graphs.replay(plan.bucket, batch)
         else:
             with count_host_ops(count_ops) as counter:     # metadata on the host, then one copy
                 desc = Descriptors.allocate(len(ext), max(1, max(len(r) for r in rows)), max(1, sum(ext)))
-                desc.fill(ext, prefix, rows, ids)
-                logits = self.forward(ForwardBatch(desc, plan.strategy, plan.local_cap, host))
+                desc.fill(ext, prefix, rows, ids, plan.strategy.whole_on)
+                aux = self._aux_buffer(sum(ext))
+                logits = self.forward(ForwardBatch(desc, plan.strategy, plan.local_cap, host, None, aux))
         count = counter.count if counter is not None else 0
-        return (None if logits is None or n == 0 else logits[:n]), count
+        if logits is None or n == 0:
+            return None, None, count
+        return logits[:n], (aux[:sum(ext)] if aux is not None else None), count
+
+    def _aux_buffer(self, tokens: int) -> torch.Tensor | None:
+        """An eager batch's aux output: one row per new token, plus the row that takes padding."""
+        if not self.aux.layers:
+            return None
+        return torch.empty(tokens + 1, self.aux.width, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def kv_cache(self, rid: str) -> dict | None:
@@ -238,12 +269,21 @@ class ModelRunner:
                 "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.kernel_name, "eager_reason": self.graph_reason,
                 "capture_failures": graphs.failures if graphs else {},
-                "capture_records": [vars(r) for r in graphs.records.values()] if graphs else []}
+                "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
+                "adaptive_cp": _adaptive_stats(self.strategy)}
 
     def collective_counts(self) -> dict:
         comm = self.comm
         return {"all_gathers": comm.num_all_gathers if comm else 0,
                 "all_reduces": comm.num_all_reduces if comm else 0}
+
+
+def _adaptive_stats(strategy) -> dict | None:  # noqa: ANN001
+    cost = getattr(strategy, "cost", None)
+    if cost is None:
+        return None
+    return {"threshold": strategy.threshold, "per_token_s": cost.per_token, "per_pair_s": cost.per_pair,
+            "per_gather_token_s": cost.per_gather_token, "fixed_s": cost.fixed}
 
 
 def _normalize(device: torch.device) -> torch.device:

@@ -29,6 +29,7 @@ class CPMetadata:
     q_limits: torch.Tensor       # [local_cap] keys each local query may see (bottom-right causal)
     logit_rows: torch.Tensor     # [R] local row of each request's last token
     logit_owner: torch.Tensor    # [R] 1 where this rank holds that row
+    gather_token_index: torch.Tensor  # [cp_size * local_cap] new-token index of each all-gathered row, -1: padding
 
 
     def to(self, device: torch.device, *extra: torch.Tensor) -> tuple["CPMetadata", list[torch.Tensor]]:
@@ -55,13 +56,19 @@ def _slots(page_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, page_
 
 
 def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                    cp_size: int, rank: int, local_cap: int, page_size: int) -> CPMetadata:
+                    cp_size: int, rank: int, local_cap: int, page_size: int,
+                    whole_on: torch.Tensor | None = None) -> CPMetadata:
     """Zigzag: each request split in 2C blocks (early blocks take the remainder); rank r owns blocks
-    r and 2C-1-r. Local order: every request's early block, then every request's late block."""
+    r and 2C-1-r. Local order: every request's early block, then every request's late block.
+    ``whole_on`` (adaptive CP): a request with value r + 1 is one early block r, whole on rank r, and the
+    rank holding each request's last token owns its logit row (the strategy then reduces the rows)."""
     dev, C, R = extend_lens.device, cp_size, extend_lens.shape[0]
     nblk = 2 * C
     blk_id = torch.arange(nblk, device=dev)
     blk = extend_lens[:, None] // nblk + (blk_id[None, :] < (extend_lens % nblk)[:, None]).long()   # [R, 2C]
+    if whole_on is not None:
+        whole = (whole_on > 0).long()[:, None]
+        blk = blk * (1 - whole) + extend_lens[:, None] * (blk_id[None, :] == (whole_on - 1)[:, None]).long()
     blk_end = torch.cumsum(blk, 1)
     blk_start = blk_end - blk
     ranks = torch.arange(C, device=dev)
@@ -89,10 +96,15 @@ def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_t
     last_early = cu_r[1:R + 1] - 1
     logit_rows = torch.where(blk[:, nblk - 1] > 0, last_late, last_early).clamp(min=0)
     owner = (extend_lens > 0).long() if rank == 0 else torch.zeros_like(extend_lens)
+    if whole_on is not None:    # rank 0 holds the split requests' last tokens, rank r those whole on it
+        last_rank = torch.where(whole_on > 0, whole_on - 1, 0)
+        owner = ((extend_lens > 0) & (last_rank == rank)).long()
+        logit_rows = torch.where(whole_on > 0, last_early.clamp(min=0), logit_rows) * owner
     return CPMetadata(
         cp_size=C, local_cap=local_cap, token_index=token_index[rank], positions=position[rank],
         valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
-        page_rows=page_table.repeat(2, 1), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner)
+        page_rows=page_table.repeat(2, 1), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner,
+        gather_token_index=((token_index + 1) * valid - 1).reshape(-1))
 
 
 def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
@@ -119,4 +131,5 @@ def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, pa
         cp_size=C, local_cap=local_cap, token_index=flat[rank] * valid[rank], positions=position[rank],
         valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_q, q_lens=q_lens,
         kv_lens=prefix_lens + extend_lens, page_rows=page_table, q_limits=(position[rank] + 1) * valid[rank],
-        logit_rows=torch.div(last, C, rounding_mode="floor").clamp(min=0) * owner, logit_owner=owner)
+        logit_rows=torch.div(last, C, rounding_mode="floor").clamp(min=0) * owner, logit_owner=owner,
+        gather_token_index=((flat + 1) * valid - 1).reshape(-1))

@@ -18,6 +18,7 @@ class ContextParallelStrategy:
     build: Callable[..., CPMetadata]
     splits_early_late = False        # the flashattention path makes one call per half (zigzag)
     graph_reason: str | None = None  # why graphs cannot serve this layout (None: they can)
+    whole_on: list[int] | None = None  # per-batch placement (adaptive CP); None: every request split
 
     def __init__(self, cp_size: int) -> None:
         self.cp_size = cp_size
@@ -31,6 +32,10 @@ class ContextParallelStrategy:
     def min_request_len(self) -> int:
         """Fewest new tokens a request may have for the layout to shard the batch."""
         return 1
+
+    def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> "ContextParallelStrategy":
+        """The strategy a batch runs with (adaptive CP decides its placement here)."""
+        return self
 
     def applies(self, extend_lens: list[int]) -> bool:
         return all(n >= self.min_request_len for n in extend_lens)
@@ -55,7 +60,7 @@ class ContextParallelStrategy:
                           max_kv=max((p + n for p, n in zip(prefix_lens, extend_lens)), default=0))
 
     def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                 rank: int, local_cap: int, page_size: int) -> CPMetadata:
+                 rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None) -> CPMetadata:
         return type(self).build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap,
                                 page_size)
 
@@ -80,9 +85,10 @@ class ContextParallelStrategy:
             extra = target - n_req * min_len
             cuts = sorted(rng.randint(0, extra) for _ in range(n_req - 1))
             ext = [min_len + b - a for a, b in zip([0] + cuts, cuts + [extra])]
-            if max(ext) <= ctx and self.local_capacity(ext) <= bucket:
+            if max(ext) <= ctx:
                 prefix = [rng.randint(0, min(64, ctx - e)) for e in ext]
-                return ext, prefix
+                if self.for_batch(ext, prefix).local_capacity(ext) <= bucket:
+                    return ext, prefix
             hi = max(n_req * min_len, target - 1)
         return None
 

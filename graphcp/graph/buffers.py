@@ -17,19 +17,21 @@ class Descriptors:
     packed: torch.Tensor
     extend_lens: torch.Tensor    # [req_cap]   new tokens per request (0 for padding requests)
     prefix_lens: torch.Tensor    # [req_cap]   cached tokens per request
+    whole_on: torch.Tensor       # [req_cap]   0: split by the layout; r + 1: whole on CP rank r (adaptive)
     page_table: torch.Tensor     # [req_cap, pages_cap] page ids (0 = the reserved dummy page)
     input_ids: torch.Tensor      # [ids_cap]   the batch's new tokens, flattened in request order
 
     @classmethod
     def allocate(cls, req_cap: int, pages_cap: int, ids_cap: int, device: torch.device | str = "cpu",
                  pin: bool = False) -> "Descriptors":
-        packed = torch.zeros(2 * req_cap + req_cap * pages_cap + ids_cap, dtype=torch.long, device=device,
+        packed = torch.zeros(3 * req_cap + req_cap * pages_cap + ids_cap, dtype=torch.long, device=device,
                              pin_memory=pin)
-        a, b, c = req_cap, 2 * req_cap, 2 * req_cap + req_cap * pages_cap
-        return cls(packed, packed[:a], packed[a:b], packed[b:c].view(req_cap, pages_cap), packed[c:])
+        a, b, c = req_cap, 2 * req_cap, 3 * req_cap + req_cap * pages_cap
+        return cls(packed, packed[:a], packed[a:b], packed[b:b + a], packed[b + a:c].view(req_cap, pages_cap),
+                   packed[c:])
 
     def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
-             ids: list[torch.Tensor]) -> None:
+             ids: list[torch.Tensor], whole_on: list[int] | None = None) -> None:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
         No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
         packed = self.packed.numpy()
@@ -38,6 +40,8 @@ class Descriptors:
         cap = self.extend_lens.shape[0]
         packed[:n] = extend_lens
         packed[cap:cap + n] = prefix_lens
+        if whole_on is not None:
+            packed[2 * cap:2 * cap + n] = whole_on
         widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=len(page_rows))
         if widths.sum():
             table = self.page_table.numpy()

@@ -7,6 +7,8 @@ stage the embedding, the last the norm and LM head.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -148,13 +150,19 @@ class CausalLM(nn.Module):
             # Untied, or tied on a last stage without the embedding: the head loads its own vocab shard.
             self.lm_head = ColumnLinear(cfg.hidden_size, cfg.vocab_size, False, tp)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Residual stream for this rank's tokens after this stage's layers, before the final norm."""
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, hidden: torch.Tensor | None = None,
+                capture_layers: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, list]:
+        """Residual stream for this rank's tokens after this stage's layers, before the final norm. With
+        ``capture_layers`` (ids of this stage's layers), also the residual stream entering each of them, in
+        that order (HF's ``hidden_states[i]``; speculative drafts read them)."""
         delta, residual = self.model.embed_tokens(input_ids) if self.is_first else hidden, None
-        for layer in self.model.layers.values():
+        captured = {}
+        for i, layer in self.model.layers.items():
+            if capture_layers is not None and int(i) in capture_layers:
+                captured[int(i)] = delta if residual is None else residual + delta
             delta, residual = layer(positions, delta, residual)
-        return delta if residual is None else residual + delta
+        out = delta if residual is None else residual + delta
+        return out if capture_layers is None else (out, [captured[i] for i in capture_layers])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head (last stage), applied only to the rows that need logits."""
