@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
+from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -13,10 +14,12 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
+    **DSA_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+                "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
           "num_attention_heads": 1024, "num_experts": 4096,
@@ -51,6 +54,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
+    dsa: DSAConfig | None = None        # DSA models (MLA + lightning indexer, graphcp/models/dsa_config.py)
 
     @property
     def q_size(self) -> int:
@@ -121,6 +125,9 @@ def read_model_config(model_path: str) -> ModelConfig:
         # transformers 5 writes the expert count as num_local_experts; released checkpoints say num_experts.
         raw.setdefault("num_experts", raw.get("num_local_experts"))
         cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
+    if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
+        cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
+        cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
+from graphcp.models.deepseek_v32 import DSACausalLM
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
 from graphcp.models.parallel import TPInfo
@@ -48,9 +49,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
     cfg = read_model_config(model_path)
     files = _weight_files(model_path)
+    model_class = DSACausalLM if cfg.dsa is not None else CausalLM
     with torch.device("meta"):
-        full = CausalLM(cfg)
-        model = CausalLM(cfg, tp, layers, ffn_tp, ep)
+        full = model_class(cfg)
+        model = model_class(cfg, tp, layers, ffn_tp, ep)
     quantized = set(fp8.quantized_names(full, cfg))
     expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
     for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
