@@ -1,0 +1,165 @@
+"""DSA models (DeepSeek V3.2, GLM-5) equal HF transformers on tiny random checkpoints: last-token logits
+and all three caches (MLA latent, RoPE part, indexer keys), with ``index_topk`` well below the prompt
+lengths so the top-k selection decides the result; one rank, interleave CP 2 (with EP 2) and CP 4, in
+chunked prefill. 16 indexer heads keep exact score ties (ReLU zeros on every head) out of the tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphcp import ConfigError, Engine, EngineArgs, Request
+from graphcp.models.dsa_config import check_dsa_flags
+from hf_reference import rel_err
+from parity import TOL, random_ids
+
+VOCAB = 211
+TOPK = 8
+FIRST = [("a", random_ids(30, VOCAB, 1)), ("b", random_ids(19, VOCAB, 2))]
+SECOND = [("a", random_ids(13, VOCAB, 3)), ("c", random_ids(25, VOCAB, 4))]     # a: cached prefix
+INTERLEAVE = dict(enable_prefill_cp=True, cp_strategy="interleave")
+
+
+def make_dsa_checkpoint(path: str, arch: str, seed: int, **overrides) -> str:
+    import transformers
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                  n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
+                  qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, index_topk=TOPK,
+                  index_head_dim=32, index_n_heads=16, max_position_embeddings=512)
+    kwargs.update(overrides)
+    config = getattr(transformers, f"{arch}Config")(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
+    with torch.no_grad():      # widen the tiny init; a non-zero correction bias so the router uses it
+        for p in model.parameters():
+            p.normal_(0.0, 0.08) if p.ndim > 1 else p.uniform_(0.8, 1.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v32(ckpt_dir):
+    """Grouped routing (4 groups, 2 kept), one dense first layer, half-split indexer RoPE."""
+    return make_dsa_checkpoint(str(ckpt_dir / "dsv32"), "DeepseekV32", seed=21, n_group=4, topk_group=2,
+                               first_k_dense_replace=1)
+
+
+@pytest.fixture(scope="module")
+def glm5(ckpt_dir):
+    """A "shared" middle layer reusing layer 0's top-k, mlp_layer_types, interleaved indexer RoPE."""
+    return make_dsa_checkpoint(str(ckpt_dir / "glm5"), "GlmMoeDsa", seed=22, n_group=1, topk_group=1,
+                               mlp_layer_types=["dense", "sparse", "sparse"],
+                               indexer_types=["full", "shared", "full"])
+
+
+class DSAOracle:
+    """HF in fp32: last-token logits and per layer (kv_latent, k_rope, index_k or None)."""
+
+    def __init__(self) -> None:
+        self.models, self.cache = {}, {}
+
+    @torch.no_grad()
+    def __call__(self, path: str, ids: list[int]):
+        import transformers
+        key = (path, tuple(ids))
+        if key not in self.cache:
+            if path not in self.models:
+                self.models[path] = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, attn_implementation="sdpa").eval()
+            out = self.models[path](torch.tensor([ids]), use_cache=True)
+            layers = [(layer.keys[0, 0], layer.values[0, 0],
+                       layer.indexer_keys[0] if layer.is_indexer_initialized else None)
+                      for layer in out.past_key_values.layers]
+            self.cache[key] = (out.logits[0, -1].float(), layers)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def dsa_oracle():
+    return DSAOracle()
+
+
+def _check(engine, oracle, path: str, batches) -> list:
+    """Run ``batches`` (chunked: rids extend their history) and compare each request with HF on its
+    whole history; returns the outputs. Releases every rid at the end."""
+    history, worst, outs = {}, 0.0, []
+    for batch in batches:
+        out = engine.prefill([Request(rid, ids) for rid, ids in batch])
+        outs.append(out)
+        assert out.mode == "eager" and out.eager_reason.startswith("DSA models run eagerly")
+        for i, (rid, ids) in enumerate(batch):
+            history[rid] = history.get(rid, []) + ids
+            assert len(history[rid]) > TOPK                      # the top-k selection matters
+            logits, ref = oracle(path, history[rid])
+            errs = [rel_err(out.logits[i], logits)]
+            ours = engine.kv_cache(rid)
+            assert len(ours) == len(ref)
+            for layer, (mine, theirs) in enumerate(zip(ours, ref)):
+                assert (mine[2] is None) == (theirs[2] is None), f"{rid} layer {layer}: indexer cache"
+                for a, b in zip(mine, theirs):
+                    if b is not None:
+                        assert a.shape == b.shape, f"{rid} layer {layer}: {a.shape} vs {b.shape}"
+                        errs.append(rel_err(a, b))
+            assert max(errs) <= TOL, f"{rid}: rel err {max(errs):.2e}"
+            worst = max(worst, *errs)
+    for rid in history:
+        engine.release(rid)
+    print(f"worst rel err {worst:.2e}")
+    return outs
+
+
+@pytest.mark.parametrize("name", ["v32", "glm5"])
+def test_single_rank_matches_hf(request, engines, dsa_oracle, name):
+    path = request.getfixturevalue(name)
+    engine = engines.get(path)
+    _check(engine, dsa_oracle, path, [FIRST, SECOND])
+    stats = engine.stats()
+    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]          # every page released
+
+
+def test_sparsity_changes_the_answer(v32, dsa_oracle, tmp_path):
+    """The same weights with index_topk above the prompt length (dense attention) give other logits,
+    so the parity tests above do check the selection."""
+    import json
+    import shutil
+    dense = tmp_path / "dense"
+    shutil.copytree(v32, dense)
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["index_topk"] = 256
+    (dense / "config.json").write_text(json.dumps(cfg))
+    ids = FIRST[0][1]
+    assert rel_err(dsa_oracle(str(dense), ids)[0], dsa_oracle(v32, ids)[0]) > 1e-3
+
+
+@pytest.mark.parametrize("name,extra", [("v32", dict(ep_size=2)), ("glm5", {})])
+def test_cp2_interleave_matches_hf(request, engines, dsa_oracle, name, extra):
+    """Each rank scores and attends its own queries; one all-gather of MLA rows and one of indexer keys
+    per indexed layer (shared layers gather only the MLA rows)."""
+    path = request.getfixturevalue(name)
+    engine = engines.get(path, tp_size=2, attn_cp_size=2, **INTERLEAVE, **extra)
+    before = engine.collective_counts()["all_gathers"]
+    outs = _check(engine, dsa_oracle, path, [FIRST, SECOND])
+    indexed = 3 if name == "v32" else 2
+    assert engine.collective_counts()["all_gathers"] - before == 2 * (3 + indexed)
+    assert [o.per_rank_tokens for o in outs] == [[25, 24], [19, 19]] and outs[0].cp_applied
+
+
+def test_cp4_interleave_matches_hf(engines, dsa_oracle, glm5):
+    engine = engines.get(glm5, tp_size=4, attn_cp_size=4, **INTERLEAVE)
+    outs = _check(engine, dsa_oracle, glm5, [FIRST, SECOND])
+    assert outs[0].cp_applied and [o.per_rank_tokens for o in outs] == [[13, 12, 12, 12], [10, 10, 9, 9]]
+
+
+def test_dsa_flags(v32):
+    """DSA needs interleave, DP 1 and attention TP 1; the error names the flag."""
+    with pytest.raises(ConfigError, match="--cp-strategy"):
+        Engine(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, enable_prefill_cp=True,
+                          cp_strategy="zigzag", max_total_tokens=1024))
+    with pytest.raises(ConfigError, match="--dp"):
+        check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, dp_size=2))
+    with pytest.raises(ConfigError, match="attention TP 1"):
+        check_dsa_flags(EngineArgs(model_path=v32, tp_size=2))
+    check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, **INTERLEAVE))
