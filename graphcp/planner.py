@@ -24,7 +24,7 @@ def config_ineligibility(args, backend: str, dsa: bool = False) -> str | None:  
     if args.disable_cuda_graph:
         return "graphs disabled by --disable-cuda-graph"
     if dsa:
-        return "DSA models run eagerly (the indexer's top-k and sparse attention run outside graphs, as SGLang)"
+        return "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"
     if args.pp_size > 1:
         return "pp_size > 1"
     if args.dp_size > 1:

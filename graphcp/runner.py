@@ -84,8 +84,9 @@ class ModelRunner:
         if cfg.dsa is not None:                   # MLA rows + indexer keys
             d = cfg.dsa
             self.pool = DSAPool(cfg.num_hidden_layers, num_pages, args.page_size, d.kv_lora_rank,
-                                d.qk_rope_head_dim, d.index_head_dim, d.shared_indexer, self.dtype, self.device)
-        elif args.enable_dsa_cache_layer_split:     # PD LayerSplit: this CP rank's layers + one scratch layer
+                                d.qk_rope_head_dim, d.index_head_dim, d.shared_indexer, self.dtype,
+                                self.device)
+        elif args.enable_dsa_cache_layer_split:  # PD LayerSplit: this CP rank's layers + one scratch layer
             from graphcp.pd.layer_split import LayerSplitPool
             self.pool = LayerSplitPool(*pool_shape, par.groups.cp, par.cp_ranks, self.me.cp_rank)
         else:
@@ -155,7 +156,8 @@ class ModelRunner:
         split = self.backend == "flashattention" and strategy.splits_early_late
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, batch.host, split, self.scale)
         if self.model_config.dsa is not None:
-            attention = DSAAttention(self.pool, meta, self.comm, self.model_config)
+            attention = DSAAttention(self.pool, meta, self.comm, self.model_config,
+                                     self.args.attention_kernel)
         par = self.par
         with forward_context(attention, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:

@@ -1,16 +1,17 @@
-"""DSA models (DeepSeek V3.2, GLM-5) equal HF transformers on tiny random checkpoints: last-token logits
-and all three caches (MLA latent, RoPE part, indexer keys), with ``index_topk`` well below the prompt
-lengths so the top-k selection decides the result; one rank, interleave CP 2 (with EP 2) and CP 4, in
-chunked prefill. 16 indexer heads keep exact score ties (ReLU zeros on every head) out of the tests."""
+"""DSA models (DeepSeek V3.2, GLM-5) equal HF transformers on tiny random checkpoints: last-token
+logits and all three caches (MLA latent, RoPE part, indexer keys), with ``index_topk`` well below
+the prompt lengths so the top-k selection decides the result; one rank, interleave CP 2 (with EP 2)
+and CP 4, in chunked prefill. 16 indexer heads keep exact score ties (ReLU zeros on every head) out
+of the tests."""
 from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import rel_err
+from parity import TOL, random_ids
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
 from graphcp.models.dsa_config import check_dsa_flags
-from hf_reference import rel_err
-from parity import TOL, random_ids
 
 VOCAB = 211
 TOPK = 8
@@ -22,15 +23,15 @@ INTERLEAVE = dict(enable_prefill_cp=True, cp_strategy="interleave")
 def make_dsa_checkpoint(path: str, arch: str, seed: int, **overrides) -> str:
     import transformers
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                  n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
-                  qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, index_topk=TOPK,
-                  index_head_dim=32, index_n_heads=16, max_position_embeddings=512)
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32,
+                  q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,
+                  index_topk=TOPK, index_head_dim=32, index_n_heads=16, max_position_embeddings=512)
     kwargs.update(overrides)
     config = getattr(transformers, f"{arch}Config")(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
-    with torch.no_grad():      # widen the tiny init; a non-zero correction bias so the router uses it
+    with torch.no_grad():      # widen the tiny init; a non-zero correction bias the router uses
         for p in model.parameters():
             p.normal_(0.0, 0.08) if p.ndim > 1 else p.uniform_(0.8, 1.2)
         for name, b in model.named_buffers():
@@ -43,14 +44,16 @@ def make_dsa_checkpoint(path: str, arch: str, seed: int, **overrides) -> str:
 @pytest.fixture(scope="module")
 def v32(ckpt_dir):
     """Grouped routing (4 groups, 2 kept), one dense first layer, half-split indexer RoPE."""
-    return make_dsa_checkpoint(str(ckpt_dir / "dsv32"), "DeepseekV32", seed=21, n_group=4, topk_group=2,
-                               first_k_dense_replace=1)
+    return make_dsa_checkpoint(str(ckpt_dir / "dsv32"), "DeepseekV32", seed=21, n_group=4,
+                               topk_group=2, first_k_dense_replace=1)
 
 
 @pytest.fixture(scope="module")
 def glm5(ckpt_dir):
-    """A "shared" middle layer reusing layer 0's top-k, mlp_layer_types, interleaved indexer RoPE."""
-    return make_dsa_checkpoint(str(ckpt_dir / "glm5"), "GlmMoeDsa", seed=22, n_group=1, topk_group=1,
+    """A "shared" middle layer reusing layer 0's top-k, mlp_layer_types, interleaved indexer
+    RoPE."""
+    return make_dsa_checkpoint(str(ckpt_dir / "glm5"), "GlmMoeDsa", seed=22, n_group=1,
+                               topk_group=1,
                                mlp_layer_types=["dense", "sparse", "sparse"],
                                indexer_types=["full", "shared", "full"])
 
@@ -98,7 +101,8 @@ def _check(engine, oracle, path: str, batches) -> list:
             ours = engine.kv_cache(rid)
             assert len(ours) == len(ref)
             for layer, (mine, theirs) in enumerate(zip(ours, ref)):
-                assert (mine[2] is None) == (theirs[2] is None), f"{rid} layer {layer}: indexer cache"
+                shared = mine[2] is None
+                assert shared == (theirs[2] is None), f"{rid} layer {layer}: indexer cache"
                 for a, b in zip(mine, theirs):
                     if b is not None:
                         assert a.shape == b.shape, f"{rid} layer {layer}: {a.shape} vs {b.shape}"
@@ -136,8 +140,8 @@ def test_sparsity_changes_the_answer(v32, dsa_oracle, tmp_path):
 
 @pytest.mark.parametrize("name,extra", [("v32", dict(ep_size=2)), ("glm5", {})])
 def test_cp2_interleave_matches_hf(request, engines, dsa_oracle, name, extra):
-    """Each rank scores and attends its own queries; one all-gather of MLA rows and one of indexer keys
-    per indexed layer (shared layers gather only the MLA rows)."""
+    """Each rank scores and attends its own queries; one all-gather of MLA rows and one of indexer
+    keys per indexed layer (shared layers gather only the MLA rows)."""
     path = request.getfixturevalue(name)
     engine = engines.get(path, tp_size=2, attn_cp_size=2, **INTERLEAVE, **extra)
     before = engine.collective_counts()["all_gathers"]
@@ -150,7 +154,8 @@ def test_cp2_interleave_matches_hf(request, engines, dsa_oracle, name, extra):
 def test_cp4_interleave_matches_hf(engines, dsa_oracle, glm5):
     engine = engines.get(glm5, tp_size=4, attn_cp_size=4, **INTERLEAVE)
     outs = _check(engine, dsa_oracle, glm5, [FIRST, SECOND])
-    assert outs[0].cp_applied and [o.per_rank_tokens for o in outs] == [[13, 12, 12, 12], [10, 10, 9, 9]]
+    assert outs[0].cp_applied
+    assert [o.per_rank_tokens for o in outs] == [[13, 12, 12, 12], [10, 10, 9, 9]]
 
 
 def test_dsa_flags(v32):
@@ -163,3 +168,39 @@ def test_dsa_flags(v32):
     with pytest.raises(ConfigError, match="attention TP 1"):
         check_dsa_flags(EngineArgs(model_path=v32, tp_size=2))
     check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, **INTERLEAVE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_match_torch(dtype):
+    """Indexer scores and sparse MLA in Triton's interpreter against the torch reference: rows with
+    few visible keys, one without any (padding), slots scattered over the pool."""
+    from graphcp.attention import dsa_torch
+    from graphcp.attention.kernels import triton_dsa
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, dim, keys, pool = 5, 16, 32, 40, 64
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    weights = torch.randn(rows, heads, generator=gen)
+    index_keys = torch.randn(pool, dim, generator=gen).to(dtype)
+    slots = torch.randperm(pool, generator=gen)[:keys].repeat(rows, 1)
+    limits = torch.tensor([40, 3, 17, 0, 26])
+    want = dsa_torch.indexer_scores(q, weights, index_keys, slots, limits)
+    got = triton_dsa.indexer_scores(q, weights, index_keys, slots, limits)
+    visible = torch.isfinite(want)
+    assert torch.equal(visible, torch.isfinite(got))
+    assert rel_err(got[visible], want[visible]) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    selected, shown = dsa_torch.select_topk(want, slots, limits, TOPK)
+    q_mla = torch.randn(rows, 4, 48, generator=gen).to(dtype)
+    kv = torch.randn(pool, 48, generator=gen).to(dtype)
+    want = dsa_torch.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
+    got = triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
+    assert got[3].abs().max() == 0 and want[3].abs().max() == 0          # no visible key: zeros
+    assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_triton_engine_matches_hf(engines, dsa_oracle, glm5):
+    """--attention-kernel triton serves DSA with the Triton kernels (the interpreter on CPU)."""
+    from graphcp.attention.dsa import dsa_kernels
+    from graphcp.attention.kernels import triton_dsa
+    assert dsa_kernels("triton", torch.device("cpu")) is triton_dsa
+    engine = engines.get(glm5, attention_kernel="triton")
+    _check(engine, dsa_oracle, glm5, [FIRST[:1]])

@@ -1,17 +1,18 @@
 """The DSA attention op the MLA layers call through the forward context.
 
-Per layer, under interleave CP: one all-gather of the new MLA rows ``[kv_latent | k_rope]`` and one of
-the new indexer keys (padded to the largest rank, rank-major), each written to every rank's paged cache
-at the rows' slots (``meta.gather_slots``: token order is restored by the slots; padding rows go to the
-dummy slot). Then each rank scores the indexer and runs sparse attention for its own queries only: top-k
-indices never leave the rank. A layer without an indexer (GLM-5 "shared") reuses the previous layer's
-selection, which this op keeps for the forward.
-"""
+Per layer, under interleave CP: one all-gather of the new MLA rows ``[kv_latent | k_rope]`` and one
+of the new indexer keys (padded to the largest rank, rank-major), each written to every rank's paged
+cache at the rows' slots (``meta.gather_slots``: the slots restore token order; padding rows go to
+the dummy slot). Then each rank scores the indexer and runs sparse attention for its own queries
+only: top-k indices never leave the rank. A layer without an indexer (GLM-5 "shared") reuses the
+previous layer's selection, which this op keeps for the forward."""
 from __future__ import annotations
 
 import torch
 
-from graphcp.attention.dsa_torch import indexer_topk, key_slots, sparse_mla
+from graphcp.attention import dsa_torch
+from graphcp.attention.dsa_torch import key_slots, select_topk
+from graphcp.attention.registry import triton_available
 from graphcp.cp.metadata import CPMetadata
 from graphcp.dist.comm import CPComm
 from graphcp.kv.dsa_cache import DSAPool
@@ -19,15 +20,27 @@ from graphcp.models.config import ModelConfig
 from graphcp.profiling import nvtx_range
 
 
+def dsa_kernels(requested: str, device: torch.device):  # noqa: ANN201 - a module of two functions
+    """``indexer_scores`` and ``sparse_mla``: Triton on CUDA (auto) or when asked (the interpreter on
+    CPU); the torch reference otherwise."""
+    wants = requested == "triton" or (requested == "auto" and device.type == "cuda")
+    if wants and triton_available(device):
+        from graphcp.attention.kernels import triton_dsa
+        return triton_dsa
+    return dsa_torch
+
+
 class DSAAttention:
-    def __init__(self, pool: DSAPool, meta: CPMetadata, comm: CPComm | None, cfg: ModelConfig) -> None:
+    def __init__(self, pool: DSAPool, meta: CPMetadata, comm: CPComm | None, cfg: ModelConfig,
+                 kernel: str = "auto") -> None:
         self.pool, self.meta, self.comm = pool, meta, comm
+        self.kernels = dsa_kernels(kernel, pool.device)
         d = cfg.dsa
         self.topk, self.latent_dim, self.scale = d.index_topk, d.kv_lora_rank, d.qk_head_dim ** -0.5
         rows = torch.arange(meta.local_cap, device=meta.q_limits.device)
         seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)
         seq = seq.clamp(max=meta.page_rows.shape[0] - 1)
-        self.slots = key_slots(meta.page_rows[seq], pool.page_size)   # [rows, K] each query's key slots
+        self.slots = key_slots(meta.page_rows[seq], pool.page_size)   # [rows, K] each row's keys
         self.selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
@@ -38,19 +51,21 @@ class DSAAttention:
 
     def __call__(self, layer_id: int, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                  index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """q [T, H, latent + rope] (absorbed), latent [T, C], k_rope [T, R], index (queries, weights,
-        keys) or None on a shared layer -> latent outputs [T, H, C]."""
+        """q [T, H, latent + rope] (absorbed), latent [T, C], k_rope [T, R], index (queries,
+        weights, keys) or None on a shared layer -> latent outputs [T, H, C]."""
         meta, pool = self.meta, self.pool
         pool.write(layer_id, meta.gather_slots, self._gather(torch.cat([latent, k_rope], dim=-1)))
         if index is not None:
             index_q, weights, index_k = index
             pool.write_index(layer_id, meta.gather_slots, self._gather(index_k))
             with nvtx_range("dsa_indexer"):
-                self.selected = indexer_topk(index_q, weights, pool.index_keys(layer_id), self.slots,
-                                             meta.q_limits, self.topk)
+                keys, limits = pool.index_keys(layer_id), meta.q_limits
+                scores = self.kernels.indexer_scores(index_q, weights, keys, self.slots, limits)
+                self.selected = select_topk(scores, self.slots, limits, self.topk)
         if self.selected is None:
-            raise RuntimeError(f"layer {layer_id} reuses the previous top-k, but no layer before it ran one")
-        picked, visible = self.selected
+            raise RuntimeError(f"layer {layer_id} reuses the previous top-k, but no layer before "
+                               "it ran one")
+        selected, visible = self.selected
         with nvtx_range("attention"):
-            return sparse_mla(q, pool.latent_kv(layer_id), self.slots, picked, visible, self.scale,
-                              self.latent_dim)
+            return self.kernels.sparse_mla(q, pool.latent_kv(layer_id), selected, visible,
+                                           self.scale, self.latent_dim)

@@ -54,7 +54,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
-    dsa: DSAConfig | None = None        # DSA models (MLA + lightning indexer, graphcp/models/dsa_config.py)
+    dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
 
     @property
     def q_size(self) -> int:

@@ -1,7 +1,9 @@
-"""DeepSeek's MoE block: a grouped top-k router over the routed experts plus always-on shared experts.
+"""DeepSeek's MoE block: a grouped top-k router over the routed experts plus always-on shared
+experts.
 
-The routed experts reuse graphcp's ``Experts`` and the forward context's MoE communicator (EP and the
-token flows compose as for Qwen3-MoE); the shared experts are a dense gated MLP split like the dense FFN.
+The routed experts reuse graphcp's ``Experts`` and the forward context's MoE communicator (EP and
+the token flows compose as for Qwen3-MoE); the shared experts are a dense gated MLP split like the
+dense FFN.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ class DeepseekMoE(nn.Module):
         self.gate = GroupedTopKRouter(cfg)
         self.experts = Experts(cfg, ep)
         shared = cfg.dsa.n_shared_experts * cfg.moe_intermediate_size
-        self.shared_experts = GatedMLP(replace(cfg, intermediate_size=shared, mlp_bias=False), ffn_tp) \
-            if shared else None
+        shared_cfg = replace(cfg, intermediate_size=shared, mlp_bias=False)
+        self.shared_experts = GatedMLP(shared_cfg, ffn_tp) if shared else None
 
     def fuse(self) -> None:
         if self.shared_experts is not None:

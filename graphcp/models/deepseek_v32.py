@@ -1,7 +1,8 @@
-"""DSA causal LMs: DeepSeek V3.2 (``DeepseekV32ForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``),
-HF weight names. MLA + lightning indexer attention (``models/mla.py``), dense FFN on the first layers
-and DeepSeek MoE on the others. Attention is not split over TP (DSA needs attention TP 1); the dense
-FFN and the experts split over the TP world / EP as for the llama family.
+"""DSA causal LMs: DeepSeek V3.2 (``DeepseekV32ForCausalLM``) and GLM-5
+(``GlmMoeDsaForCausalLM``), HF weight names. MLA + lightning indexer attention (``models/mla.py``),
+dense FFN on the first layers and DeepSeek MoE on the others. Attention is not split over TP (DSA
+needs attention TP 1); the dense FFN and the experts split over the TP world / EP as for the llama
+family.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class DSADecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekMoE(cfg, ep, ffn_tp) if layer_id in cfg.moe_layers else GatedMLP(cfg, ffn_tp)
+        moe = layer_id in cfg.moe_layers
+        self.mlp = DeepseekMoE(cfg, ep, ffn_tp) if moe else GatedMLP(cfg, ffn_tp)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, delta: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +54,8 @@ class DSACausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
                  ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
         super().__init__()
-        if (tp is not None and tp.size > 1) or (layers is not None and len(layers) != cfg.num_hidden_layers):
+        split_stage = layers is not None and len(layers) != cfg.num_hidden_layers
+        if (tp is not None and tp.size > 1) or split_stage:
             raise ValueError("DSA models run with attention TP 1 and one pipeline stage")
         self.config, self.tp = cfg, TPInfo()
         self.layer_range, self.is_first, self.is_last = range(cfg.num_hidden_layers), True, True
@@ -74,7 +77,8 @@ class DSACausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
-        return vocab_logits(self.model.norm(hidden), head.weight, self.tp, self.config.vocab_size).float()
+        logits = vocab_logits(self.model.norm(hidden), head.weight, self.tp, self.config.vocab_size)
+        return logits.float()
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers.values():

@@ -1,13 +1,14 @@
-"""The config.json fields of the DSA models (DeepSeek V3.2, GLM-5): MLA, the lightning indexer and the
-DeepSeek MoE, read as transformers 5 reads them, and the flags DSA allows."""
+"""The config.json fields of the DSA models (DeepSeek V3.2, GLM-5): MLA, the lightning indexer
+and the DeepSeek MoE, read as transformers 5 reads them, and the flags DSA allows."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from graphcp.errors import ConfigError
 
-DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32",
+                     "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]
     """ModelConfig fields of a DSA model: its MLA/indexer config and its MoE layers."""
     for key in ("num_key_value_heads",):
         if raw.get(key, raw["num_attention_heads"]) != raw["num_attention_heads"]:
-            raise ConfigError(f"--model-path: MLA needs num_key_value_heads == num_attention_heads, got "
-                              f"{raw.get(key)}")
+            raise ConfigError(f"--model-path: MLA needs num_key_value_heads == "
+                              f"num_attention_heads, got {raw.get(key)}")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"--model-path: DSA models support rope_type 'default' only, got "
@@ -57,15 +58,17 @@ def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
         n_shared_experts=int(raw.get("n_shared_experts") or 0))
     if dsa.qk_rope_head_dim % 2 or dsa.qk_rope_head_dim > dsa.index_head_dim:
-        raise ConfigError(f"--model-path: qk_rope_head_dim={dsa.qk_rope_head_dim} must be even and at most "
-                          f"index_head_dim={dsa.index_head_dim}")
+        raise ConfigError(f"--model-path: qk_rope_head_dim={dsa.qk_rope_head_dim} must be even and "
+                          f"at most index_head_dim={dsa.index_head_dim}")
     experts = need("n_routed_experts")
     if experts % dsa.n_group or dsa.topk_group > dsa.n_group or experts // dsa.n_group < 2:
-        raise ConfigError(f"--model-path: n_group={dsa.n_group} must divide n_routed_experts={experts} into "
-                          f"groups of >= 2, with topk_group={dsa.topk_group} <= n_group")
+        raise ConfigError(f"--model-path: n_group={dsa.n_group} must divide n_routed_experts="
+                          f"{experts} into groups of >= 2, with topk_group={dsa.topk_group} "
+                          "<= n_group")
     top_k = need("num_experts_per_tok")
     if top_k > experts:
-        raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
+        raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds "
+                          f"n_routed_experts={experts}")
     return dict(dsa=dsa, num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=need("moe_intermediate_size"),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
@@ -79,7 +82,8 @@ def _moe_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
         dense = min(int(raw.get("first_k_dense_replace", 3)), num_layers)
         types = ["dense"] * dense + ["sparse"] * (num_layers - dense)
     if len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
-        raise ConfigError(f"--model-path: mlp_layer_types={types!r} must give 'dense' or 'sparse' per layer")
+        raise ConfigError(f"--model-path: mlp_layer_types={types!r} must give 'dense' or 'sparse' "
+                          "per layer")
     return tuple(i for i, t in enumerate(types) if t == "sparse")
 
 
@@ -89,15 +93,16 @@ def _shared_indexer(raw: dict, arch: str, num_layers: int) -> tuple[bool, ...]:
     if types is None:
         return (False,) * num_layers
     if len(types) != num_layers or not set(types) <= {"full", "shared"} or types[0] != "full":
-        raise ConfigError(f"--model-path: indexer_types={types!r} must give 'full' or 'shared' per layer, "
-                          "the first 'full'")
+        raise ConfigError(f"--model-path: indexer_types={types!r} must give 'full' or 'shared' per "
+                          "layer, the first 'full'")
     return tuple(t == "shared" for t in types)
 
 
-def check_dsa_flags(args) -> None:  # noqa: ANN001 - EngineArgs
+def check_dsa_flags(args) -> None:
     """DSA shards queries by interleave only, without DP or attention TP (as SGLang)."""
     if args.cp_size > 1 and args.cp_strategy != "interleave":
-        raise ConfigError(f"--cp-strategy {args.cp_strategy}: DSA models need --cp-strategy interleave")
+        raise ConfigError(f"--cp-strategy {args.cp_strategy}: DSA models need --cp-strategy "
+                          "interleave")
     if args.dp_size > 1:
         raise ConfigError(f"--dp {args.dp_size}: DSA models need --dp 1")
     if args.attn_tp_size > 1:
@@ -106,4 +111,5 @@ def check_dsa_flags(args) -> None:  # noqa: ANN001 - EngineArgs
     if args.pp_size > 1:
         raise ConfigError(f"--pp {args.pp_size}: DSA models need --pp 1")
     if args.enable_dsa_cache_layer_split:
-        raise ConfigError("--enable-dsa-cache-layer-split is not supported with graphcp's DSA pool yet")
+        raise ConfigError("--enable-dsa-cache-layer-split is not supported with graphcp's DSA pool "
+                          "yet")

@@ -33,7 +33,8 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.dsa
-        self.heads, self.head_dim, self.rope_dim = d.index_n_heads, d.index_head_dim, d.qk_rope_head_dim
+        self.heads, self.head_dim = d.index_n_heads, d.index_head_dim
+        self.rope_dim = d.qk_rope_head_dim
         self.wq_b = nn.Linear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.index_head_dim, eps=1e-6)
@@ -62,9 +63,11 @@ class MLAttention(nn.Module):
         self.q_a_proj = nn.Linear(hidden, d.q_lora_rank, bias=d.attention_bias)
         self.q_a_layernorm = RMSNorm(d.q_lora_rank, 1e-6)
         self.q_b_proj = nn.Linear(d.q_lora_rank, heads * d.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, d.kv_lora_rank + d.qk_rope_head_dim, bias=d.attention_bias)
+        latent = d.kv_lora_rank
+        rope, bias = d.qk_rope_head_dim, d.attention_bias
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, latent + rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(d.kv_lora_rank, heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(latent, heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * d.v_head_dim, hidden, bias=d.attention_bias)
         # GLM "shared" layers have no indexer: they reuse the previous layer's top-k.
         self.indexer = None if d.shared_indexer[layer_id] else Indexer(cfg)
@@ -77,7 +80,8 @@ class MLAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, heads, d.qk_head_dim)
         q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_rope = kv.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope = rope_interleaved(q_rope, cos[:, None], sin[:, None])
         k_rope = rope_interleaved(k_rope, cos, sin)
@@ -85,6 +89,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, :d.qk_nope_head_dim], w[:, d.qk_nope_head_dim:]
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, C]
         index = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else None
-        out = current_attention()(self.layer_id, torch.cat([q_latent, q_rope], dim=-1), latent, k_rope, index)
+        query = torch.cat([q_latent, q_rope], dim=-1)
+        out = current_attention()(self.layer_id, query, latent, k_rope, index)
         out = torch.matmul(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, V]
         return self.o_proj(out.reshape(t, heads * d.v_head_dim))
