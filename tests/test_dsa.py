@@ -195,6 +195,8 @@ def test_triton_kernels_match_torch(dtype):
     got = triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
     assert got[3].abs().max() == 0 and want[3].abs().max() == 0          # no visible key: zeros
     assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    from graphcp.attention.dsa import _probe  # the start-up check CUDA runs, here interpreted
+    assert _probe(triton_dsa, torch.device("cpu"), dtype) <= 2e-2
 
 
 def test_triton_engine_matches_hf(engines, dsa_oracle, glm5):
@@ -204,3 +206,21 @@ def test_triton_engine_matches_hf(engines, dsa_oracle, glm5):
     assert dsa_kernels("triton", torch.device("cpu")) is triton_dsa
     engine = engines.get(glm5, attention_kernel="triton")
     _check(engine, dsa_oracle, glm5, [FIRST[:1]])
+
+
+def test_mtp_layer_is_skipped(v32, tmp_path):
+    """Released DSA checkpoints hold a multi-token-prediction layer past the last layer; it loads
+    like HF (skipped), while other unknown tensors are still refused."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from graphcp.models import load_model
+    path = tmp_path / "with-mtp"
+    shutil.copytree(v32, path)
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(4, 4)}, str(path / "mtp.safetensors"))
+    model = load_model(str(path), torch.float32, torch.device("cpu"))
+    assert len(model.model.layers) == 3
+    save_file({"model.layers.2.extra.weight": torch.zeros(4, 4)}, str(path / "bad.safetensors"))
+    with pytest.raises(ConfigError, match="model.layers.2.extra.weight"):
+        load_model(str(path), torch.float32, torch.device("cpu"))

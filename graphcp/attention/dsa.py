@@ -8,6 +8,9 @@ only: top-k indices never leave the rank. A layer without an indexer (GLM-5 "sha
 previous layer's selection, which this op keeps for the forward."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from graphcp.attention import dsa_torch
@@ -19,15 +22,55 @@ from graphcp.kv.dsa_cache import DSAPool
 from graphcp.models.config import ModelConfig
 from graphcp.profiling import nvtx_range
 
+log = logging.getLogger("graphcp")
 
-def dsa_kernels(requested: str, device: torch.device):  # noqa: ANN201 - a module of two functions
+
+@functools.cache
+def dsa_kernels(requested: str, device: torch.device):
     """``indexer_scores`` and ``sparse_mla``: Triton on CUDA (auto) or when asked (the interpreter on
-    CPU); the torch reference otherwise."""
+    CPU); the torch reference otherwise. On CUDA the Triton pair is checked once against the torch
+    pair; one that fails or disagrees is replaced by the torch pair with a warning."""
     wants = requested == "triton" or (requested == "auto" and device.type == "cuda")
-    if wants and triton_available(device):
-        from graphcp.attention.kernels import triton_dsa
+    if not wants or not triton_available(device):
+        return dsa_torch
+    from graphcp.attention.kernels import triton_dsa
+    if device.type != "cuda":
         return triton_dsa
+    try:
+        err = max(_probe(triton_dsa, device, dtype) for dtype in (torch.float32, torch.bfloat16))
+        reason = None if err <= 2e-2 else f"differs from the torch form (rel err {err:.1e})"
+    except Exception as e:  # noqa: BLE001 - any compile or launch failure falls back
+        reason = f"failed: {type(e).__name__}: {e}"
+    if reason is None:
+        return triton_dsa
+    log.warning("graphcp: the Triton DSA kernels %s; using the torch kernels", reason)
     return dsa_torch
+
+
+def _probe(kernels, device: torch.device, dtype: torch.dtype) -> float:
+    """Both kernels once on small random inputs; the worst relative error against the torch form."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, weights, keys, kv = rand(3, 16, 64), rand(3, 16).float(), rand(40, 64), rand(40, 96)
+    slots = torch.randperm(40, generator=gen)[:32].repeat(3, 1).to(device)
+    limits = torch.tensor([32, 5, 0], device=device)
+    errs = []
+    scores = dsa_torch.indexer_scores(q, weights, keys, slots, limits)
+    got = kernels.indexer_scores(q, weights, keys, slots, limits)
+    seen = torch.isfinite(scores)
+    errs.append(_rel(got[seen], scores[seen]) if torch.equal(seen, torch.isfinite(got)) else 1.0)
+    selected, visible = select_topk(scores, slots, limits, 8)
+    q_mla = rand(3, 8, 96)
+    want = dsa_torch.sparse_mla(q_mla, kv, selected, visible, 0.1, 64)
+    errs.append(_rel(kernels.sparse_mla(q_mla, kv, selected, visible, 0.1, 64), want))
+    return max(errs)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
 class DSAAttention:

@@ -111,13 +111,13 @@ class _Reader:
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
         return self.take(name, lambda s: _read(s, shard))
 
-    def take(self, name: str, index) -> torch.Tensor:  # noqa: ANN001 - a slice index or a function of the slice
+    def take(self, name: str, index) -> torch.Tensor:
         with safe_open(self.files[name], framework="pt") as f:
             s = f.get_slice(name)
             return index(s) if callable(index) else s[index]
 
 
-def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001
+def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:
     if shard is None:
         return tensor_slice[:]
     dim, start, end = shard
@@ -132,8 +132,11 @@ def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], files:
     if missing:
         hint = " (quantization_config fp8 needs one per projection weight)" if missing[0] in scales else ""
         raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}{hint}")
+    # DSA checkpoints carry a multi-token-prediction layer after the last one, which HF skips too.
+    mtp = f"model.layers.{cfg.num_hidden_layers}." if cfg.dsa is not None else None
     unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+                  and not (mtp and n.startswith(mtp))]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
                           f"e.g. {unexpected[0]!r}")
