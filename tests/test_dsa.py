@@ -224,3 +224,12 @@ def test_mtp_layer_is_skipped(v32, tmp_path):
     save_file({"model.layers.2.extra.weight": torch.zeros(4, 4)}, str(path / "bad.safetensors"))
     with pytest.raises(ConfigError, match="model.layers.2.extra.weight"):
         load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_bench_dsa_balance_counts_each_ranks_work():
+    """C=2, extend [5, 3]: rank 0 holds flat tokens 0, 2, 4 (request 0, 1/3/5 keys) and 6 (request
+    1, 2 keys); rank 1 holds 1, 3 (2/4 keys), 5 and 7 (1/3 keys). With top-2: 1+2+2+2 and 2+2+1+2."""
+    from graphcp.tools.dsa_balance import dsa_balance
+    got = dsa_balance(2, [5, 3], 2)
+    assert got["indexer_keys_per_rank"] == [11, 10] and got["sparse_keys_per_rank"] == [7, 7]
+    assert got["indexer_max_over_mean"] == pytest.approx(22 / 21) and got["sparse_max_over_mean"] == 1

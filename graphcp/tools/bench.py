@@ -13,7 +13,9 @@ import time
 
 import torch
 
+from graphcp.models.config import read_model_config
 from graphcp.tools.cli import engine_args, engine_parser
+from graphcp.tools.dsa_balance import dsa_table
 
 DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
 
@@ -130,6 +132,10 @@ def run(argv: list[str]) -> int:
     print(f"host prep per batch ({prep['case']}, planner + descriptor fill, no ranks): "
           f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists")
     report["host_prep_us"] = prep["host_prep_us"]
+    dsa = read_model_config(args.model_path).dsa
+    if dsa is not None:        # the indexer's and the sparse attention's work per rank (interleave)
+        table, report["dsa_balance"] = dsa_table(cases, balance_cp, dsa.index_topk)
+        print(table)
     moe = moe_traffic(args, cases, vocab)
     if moe:
         report["moe_traffic"] = moe
