@@ -227,9 +227,21 @@ def test_mtp_layer_is_skipped(v32, tmp_path):
 
 
 def test_bench_dsa_balance_counts_each_ranks_work():
-    """C=2, extend [5, 3]: rank 0 holds flat tokens 0, 2, 4 (request 0, 1/3/5 keys) and 6 (request
-    1, 2 keys); rank 1 holds 1, 3 (2/4 keys), 5 and 7 (1/3 keys). With top-2: 1+2+2+2 and 2+2+1+2."""
+    """C=2, extend [5, 3]: rank 0 holds flat tokens 0, 2, 4 (request 0, 1/3/5 keys) and 6
+    (request 1, 2 keys); rank 1 holds 1, 3 (2/4 keys), 5 and 7 (1/3 keys). With top-2: 1+2+2+2 and
+    2+2+1+2."""
     from graphcp.tools.dsa_balance import dsa_balance
     got = dsa_balance(2, [5, 3], 2)
     assert got["indexer_keys_per_rank"] == [11, 10] and got["sparse_keys_per_rank"] == [7, 7]
-    assert got["indexer_max_over_mean"] == pytest.approx(22 / 21) and got["sparse_max_over_mean"] == 1
+    assert got["indexer_max_over_mean"] == pytest.approx(22 / 21)
+    assert got["sparse_max_over_mean"] == 1
+
+
+def test_yarn_rope_matches_hf(engines, dsa_oracle, ckpt_dir):
+    """V3.2's YaRN RoPE (factor, beta ramp, mscale on cos/sin and on the softmax scale)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64}
+    path = make_dsa_checkpoint(str(ckpt_dir / "dsv32-yarn"), "DeepseekV32", seed=23, n_group=2,
+                               topk_group=1, first_k_dense_replace=2, rope_parameters=rope)
+    _check(engines.get(path), dsa_oracle, path, [FIRST[:1]])

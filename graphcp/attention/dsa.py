@@ -20,6 +20,7 @@ from graphcp.cp.metadata import CPMetadata
 from graphcp.dist.comm import CPComm
 from graphcp.kv.dsa_cache import DSAPool
 from graphcp.models.config import ModelConfig
+from graphcp.models.dsa_rope import softmax_scale
 from graphcp.profiling import nvtx_range
 
 log = logging.getLogger("graphcp")
@@ -27,8 +28,8 @@ log = logging.getLogger("graphcp")
 
 @functools.cache
 def dsa_kernels(requested: str, device: torch.device):
-    """``indexer_scores`` and ``sparse_mla``: Triton on CUDA (auto) or when asked (the interpreter on
-    CPU); the torch reference otherwise. On CUDA the Triton pair is checked once against the torch
+    """``indexer_scores`` and ``sparse_mla``: Triton on CUDA (auto) or when asked (the interpreter
+    on CPU); the torch reference otherwise. On CUDA the Triton pair is checked once against the torch
     pair; one that fails or disagrees is replaced by the torch pair with a warning."""
     wants = requested == "triton" or (requested == "auto" and device.type == "cuda")
     if not wants or not triton_available(device):
@@ -79,7 +80,7 @@ class DSAAttention:
         self.pool, self.meta, self.comm = pool, meta, comm
         self.kernels = dsa_kernels(kernel, pool.device)
         d = cfg.dsa
-        self.topk, self.latent_dim, self.scale = d.index_topk, d.kv_lora_rank, d.qk_head_dim ** -0.5
+        self.topk, self.latent_dim, self.scale = d.index_topk, d.kv_lora_rank, softmax_scale(cfg)
         rows = torch.arange(meta.local_cap, device=meta.q_limits.device)
         seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)
         seq = seq.clamp(max=meta.page_rows.shape[0] - 1)

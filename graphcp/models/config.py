@@ -98,7 +98,8 @@ def read_model_config(model_path: str) -> ModelConfig:
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
+    dsa_yarn = rope_type == "yarn" and arch in DSA_ARCHITECTURES      # DeepSeek's YaRN (dsa_rope.py)
+    if rope_type not in ("default", "linear", "llama3") and not dsa_yarn:
         raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
     scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
     fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))

@@ -11,7 +11,8 @@ from torch import nn
 
 from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek_moe import DeepseekMoE
-from graphcp.models.layers import RMSNorm, RotaryEmbedding
+from graphcp.models.dsa_rope import DSARotary
+from graphcp.models.layers import RMSNorm
 from graphcp.models.llama import GatedMLP
 from graphcp.models.mla import MLAttention
 from graphcp.models.moe import EPInfo
@@ -59,7 +60,7 @@ class DSACausalLM(nn.Module):
             raise ValueError("DSA models run with attention TP 1 and one pipeline stage")
         self.config, self.tp = cfg, TPInfo()
         self.layer_range, self.is_first, self.is_last = range(cfg.num_hidden_layers), True, True
-        self.rotary = RotaryEmbedding(cfg)        # over qk_rope_head_dim (the config's head_dim)
+        self.rotary = DSARotary(cfg)        # over qk_rope_head_dim (the config's head_dim)
         self.model = DSABackbone(cfg, ffn_tp or TPInfo(), ep or EPInfo())
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

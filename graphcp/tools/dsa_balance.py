@@ -1,4 +1,5 @@
-"""``graphcp bench`` on a DSA model: the per-rank indexer and sparse-attention work under interleave.
+"""``graphcp bench`` on a DSA model: the per-rank indexer and sparse-attention work under
+interleave.
 
 Each rank scores the indexer for its own queries against every key they see, and attends each query
 to at most ``index_topk`` of them; this counts both per rank (keys scored, keys attended) from the
@@ -22,8 +23,8 @@ def dsa_balance(cp: int, extend_lens: list[int], topk: int) -> dict:
 
 def dsa_table(cases: list[tuple[int, int]], cp: int, topk: int) -> tuple[str, list[dict]]:
     rows = [{"case": f"{n}x{length}", **dsa_balance(cp, [length] * n, topk)} for n, length in cases]
-    lines = ["", f"DSA work per rank under interleave at CP={cp} (index_topk {topk}): keys scored by "
-                 "the indexer, keys attended",
+    lines = ["", f"DSA work per rank under interleave at CP={cp} (index_topk {topk}): keys scored "
+                 "by the indexer, keys attended",
              f"{'case':>7} {'indexer max/mean':>16} {'sparse max/mean':>15}  indexer keys per rank"]
     for r in rows:
         lines.append(f"{r['case']:>7} {r['indexer_max_over_mean']:>16.3f} "

@@ -1,10 +1,11 @@
 """DSA kernels in Triton, with the contracts of ``attention/dsa_torch.py``.
 
 ``indexer_scores``: one program per (query row, block of key positions) gathers the keys' cached
-indexer rows through the row's slots and computes sum over heads of weight x ReLU(scale q.k) with one
-[heads x Di] @ [Di x keys] dot; positions past the row's causal limit score -inf. The top-k over the
-scores stays ``torch.topk``. ``sparse_mla``: one program per (query row, block of heads) runs an online
-softmax over the row's selected cache rows, latent and RoPE parts as two dots, values the latent part.
+indexer rows through the row's slots and computes sum over heads of weight x ReLU(scale q.k) with
+one [heads x Di] @ [Di x keys] dot; positions past the row's causal limit score -inf. The top-k over
+the scores stays ``torch.topk``. ``sparse_mla``: one program per (query row, block of heads) runs an
+online softmax over the row's selected cache rows, latent and RoPE parts as two dots, values the
+latent part.
 fp32 dots use IEEE precision (no TF32), so fp32 results match the torch reference to rounding.
 """
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _sparse_mla_kernel(Q, KV, SEL, VIS, OUT, heads, latent, rope, num_sel, scale
     h_ok = h < heads
     q_row = Q + row * stride_qb + h[:, None] * stride_qh
     q_lat = tl.load(q_row + c[None, :], mask=h_ok[:, None] & (c[None, :] < latent), other=0.0)
-    q_rope = tl.load(q_row + latent + r[None, :], mask=h_ok[:, None] & (r[None, :] < rope), other=0.0)
+    q_rope = tl.load(q_row + latent + r[None, :], mask=h_ok[:, None] & (r[None, :] < rope),
+                     other=0.0)
     q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
