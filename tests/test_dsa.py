@@ -167,6 +167,8 @@ def test_dsa_flags(v32):
         check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, dp_size=2))
     with pytest.raises(ConfigError, match="attention TP 1"):
         check_dsa_flags(EngineArgs(model_path=v32, tp_size=2))
+    with pytest.raises(ConfigError, match="--disaggregation-mode"):
+        check_dsa_flags(EngineArgs(model_path=v32, disaggregation_mode="prefill"))
     check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, **INTERLEAVE))
 
 
@@ -245,3 +247,14 @@ def test_yarn_rope_matches_hf(engines, dsa_oracle, ckpt_dir):
     path = make_dsa_checkpoint(str(ckpt_dir / "dsv32-yarn"), "DeepseekV32", seed=23, n_group=2,
                                topk_group=1, first_k_dense_replace=2, rope_parameters=rope)
     _check(engines.get(path), dsa_oracle, path, [FIRST[:1]])
+
+
+def test_router_and_indexer_weights_stay_fp32(v32):
+    """In a bf16 model the router and the indexer's head weights keep fp32 (as HF keeps them)."""
+    from graphcp.models import load_model
+    model = load_model(v32, torch.bfloat16, torch.device("cpu"))
+    layer = model.model.layers["1"]
+    assert layer.mlp.gate.weight.dtype == torch.float32
+    assert layer.mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert layer.self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert layer.self_attn.q_a_proj.weight.dtype == torch.bfloat16

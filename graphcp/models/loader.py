@@ -60,6 +60,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
         expected.update(experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size))
     _check_names_and_shapes(cfg, expected, files, quantized)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():        # routers and the like that HF keeps in fp32
+        if getattr(module, "keep_fp32", False):
+            module.float()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
@@ -111,13 +114,13 @@ class _Reader:
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
         return self.take(name, lambda s: _read(s, shard))
 
-    def take(self, name: str, index) -> torch.Tensor:
+    def take(self, name: str, index) -> torch.Tensor:  # noqa: ANN001 - a slice index or a function of the slice
         with safe_open(self.files[name], framework="pt") as f:
             s = f.get_slice(name)
             return index(s) if callable(index) else s[index]
 
 
-def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:
+def _read(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001
     if shard is None:
         return tensor_slice[:]
     dim, start, end = shard

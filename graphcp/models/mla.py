@@ -26,6 +26,20 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+class Fp32Projection(nn.Module):
+    """A bias-free projection kept in fp32 in any model dtype (HF keeps ``indexer.weights_proj``
+    fp32); not an ``nn.Linear``, so FP8 checkpoints leave it unquantized, as HF does."""
+
+    keep_fp32 = True
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.float(), self.weight.float())
+
+
 class Indexer(nn.Module):
     """The lightning indexer's projections: per-head queries, one key per token, per-head weights.
     Scoring and top-k run in the attention op, where the cached keys are."""
@@ -38,7 +52,7 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.index_head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, d.index_n_heads, bias=False)
+        self.weights_proj = Fp32Projection(cfg.hidden_size, d.index_n_heads)
         self.rope = rope_interleaved if d.indexer_rope_interleaved else rope_torch
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
@@ -50,7 +64,7 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x))
         q = torch.cat([self.rope(q[..., :r], cos[:, None], sin[:, None]), q[..., r:]], dim=-1)
         k = torch.cat([self.rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        weights = self.weights_proj(x).float() * self.heads ** -0.5
+        weights = self.weights_proj(x) * self.heads ** -0.5
         return q, weights, k
 
 

@@ -50,7 +50,9 @@ class GroupedTopKRouter(nn.Module):
     """DeepSeek's router: sigmoid scores; groups ranked by their two best scores (with the
     score-correction bias), experts chosen within the best ``topk_group`` groups; the weights are
     the unbiased scores, optionally renormalised, times ``routed_scaling_factor``. fp32
-    throughout."""
+    throughout; its weights stay fp32 in a bf16 model, as HF keeps them."""
+
+    keep_fp32 = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
