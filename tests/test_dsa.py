@@ -258,3 +258,47 @@ def test_router_and_indexer_weights_stay_fp32(v32):
     assert layer.mlp.gate.e_score_correction_bias.dtype == torch.float32
     assert layer.self_attn.indexer.weights_proj.weight.dtype == torch.float32
     assert layer.self_attn.q_a_proj.weight.dtype == torch.bfloat16
+
+
+def _fp8_dsa_checkpoint(src: str, dst: str, dequantized: str) -> None:
+    """DeepSeek's FP8 layout: every projection weight (experts, kv_a_proj_with_mqa and the indexer's
+    wq_b / wk included) float8 with 16x16-block scales; norms, router, weights_proj, embeddings
+    and the LM head unquantized. The dequantized twin is HF's oracle."""
+    import json
+    import os
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from fp8_checkpoint import dequantize_blocks, quantize_blocks
+    block = (16, 16)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    fp8, plain = {}, {}
+    for name, w in weights.items():
+        keep = ("norm", "mlp.gate.", "weights_proj", "embed_tokens", "lm_head")
+        if w.ndim == 2 and not any(k in name for k in keep):
+            q, s = quantize_blocks(w, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            plain[name] = dequantize_blocks(q, s, block)
+        else:
+            fp8[name] = plain[name] = w
+    for path, tensors in ((dst, fp8), (dequantized, plain)):
+        shutil.copytree(src, path)
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+    cfg = json.loads(open(os.path.join(dst, "config.json")).read())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def test_fp8_checkpoint_matches_hf_on_dequantized_weights(v32, engines, dsa_oracle, tmp_path):
+    """An FP8 V3.2 checkpoint (experts included) loads dequantized, equal to HF on the twin."""
+    fp8, plain = str(tmp_path / "fp8"), str(tmp_path / "plain")
+    _fp8_dsa_checkpoint(v32, fp8, plain)
+    engine = engines.get(fp8)
+    out = engine.prefill([Request("a", FIRST[0][1])])
+    logits, ref = dsa_oracle(plain, FIRST[0][1])
+    assert rel_err(out.logits[0], logits) <= TOL
+    for ours, theirs in zip(engine.kv_cache("a"), ref, strict=True):
+        assert all(rel_err(a, b) <= TOL for a, b in zip(ours, theirs, strict=True))
+    engine.release("a")
+    assert rel_err(dsa_oracle(v32, FIRST[0][1])[0], logits) > 1e-4     # quantization did change it

@@ -57,7 +57,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
     for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
         del expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"]
-        expected.update(experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size))
+        tensors = experts.checkpoint_tensors(prefix, set(files), cfg.hidden_size)
+        expected.update(tensors)
+        if cfg.fp8_block is not None:       # per-expert projections are FP8 like every projection
+            quantized.update(n for n in tensors if n.endswith(".weight"))
     _check_names_and_shapes(cfg, expected, files, quantized)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():        # routers and the like that HF keeps in fp32
@@ -69,6 +72,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
     if keep_fp8 is None:
         keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
+    keep_fp8 = keep_fp8 and cfg.dsa is None      # MLA's absorbed form needs kv_b_proj dequantized
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
     reader = _Reader(files)
@@ -83,8 +87,15 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
             else:
                 tensor = reader.read(source, shards.get(name))
             param.copy_(_finite(source, tensor))
+
+        def read_expert(source: str, index: tuple) -> torch.Tensor:     # experts are dequantized
+            if source in quantized:
+                whole = fp8.read_dequantized(reader.read, source, None, cfg.fp8_block)
+                return _finite(source, whole[index])
+            return _finite(source, reader.take(source, index))
+
         for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
-            experts.load(prefix, set(files), lambda source, index: _finite(source, reader.take(source, index)))
+            experts.load(prefix, set(files), read_expert)
     if quantized and keep_fp8:
         fp8.attach(model, cfg.fp8_block)
     model.fuse_projections()
