@@ -183,14 +183,16 @@ def test_triton_kernels_match_torch(dtype):
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
     weights = torch.randn(rows, heads, generator=gen)
     index_keys = torch.randn(pool, dim, generator=gen).to(dtype)
-    slots = torch.randperm(pool, generator=gen)[:keys].repeat(rows, 1)
-    limits = torch.tensor([40, 3, 17, 0, 26])
-    want = dsa_torch.indexer_scores(q, weights, index_keys, slots, limits)
-    got = triton_dsa.indexer_scores(q, weights, index_keys, slots, limits)
+    slots = torch.randperm(pool, generator=gen)[:2 * keys // 2].view(2, keys // 2)   # 2 sequences
+    row_seq, limits = torch.tensor([0, 1, 0, 1, 1]), torch.tensor([20, 3, 17, 0, 12])
+    want = dsa_torch.indexer_scores(q, weights, index_keys, slots, row_seq, limits)
+    got = triton_dsa.indexer_scores(q, weights, index_keys, slots, row_seq, limits)
     visible = torch.isfinite(want)
     assert torch.equal(visible, torch.isfinite(got))
     assert rel_err(got[visible], want[visible]) <= (1e-5 if dtype == torch.float32 else 1e-2)
-    selected, shown = dsa_torch.select_topk(want, slots, limits, TOPK)
+    selected, shown = dsa_torch.select_topk(want, slots, row_seq, limits, TOPK)
+    assert torch.equal(selected[1, :3].sort().values, slots[1, :3].sort().values)   # all it sees
+    assert shown.sum(1).tolist() == [TOPK, 3, TOPK, 0, TOPK]
     q_mla = torch.randn(rows, 4, 48, generator=gen).to(dtype)
     kv = torch.randn(pool, 48, generator=gen).to(dtype)
     want = dsa_torch.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
@@ -302,3 +304,11 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(v32, engines, dsa_orac
         assert all(rel_err(a, b) <= TOL for a, b in zip(ours, theirs, strict=True))
     engine.release("a")
     assert rel_err(dsa_oracle(v32, FIRST[0][1])[0], logits) > 1e-4     # quantization did change it
+
+
+def test_row_chunks_match_hf(engines, dsa_oracle, v32, monkeypatch):
+    """Long prompts score and attend their query rows in chunks; tiny chunks give the same
+    result."""
+    import graphcp.attention.dsa as dsa
+    monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 4096)     # a few rows per chunk at these sizes
+    _check(engines.get(v32), dsa_oracle, v32, [FIRST[:1]])

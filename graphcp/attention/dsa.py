@@ -24,13 +24,16 @@ from graphcp.models.dsa_rope import softmax_scale
 from graphcp.profiling import nvtx_range
 
 log = logging.getLogger("graphcp")
+# Query rows run in chunks whose per-chunk intermediates (indexer scores [rows, keys], the torch
+# forms' gathered keys and selected rows) hold at most this many elements.
+CHUNK_ELEMENTS = 2**24
 
 
 @functools.cache
 def dsa_kernels(requested: str, device: torch.device):
     """``indexer_scores`` and ``sparse_mla``: Triton on CUDA (auto) or when asked (the interpreter
-    on CPU); the torch reference otherwise. On CUDA the Triton pair is checked once against the torch
-    pair; one that fails or disagrees is replaced by the torch pair with a warning."""
+    on CPU); the torch reference otherwise. On CUDA the Triton pair is checked once against the
+    torch pair; one that fails or disagrees is replaced by the torch pair with a warning."""
     wants = requested == "triton" or (requested == "auto" and device.type == "cuda")
     if not wants or not triton_available(device):
         return dsa_torch
@@ -56,14 +59,15 @@ def _probe(kernels, device: torch.device, dtype: torch.dtype) -> float:
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
     q, weights, keys, kv = rand(3, 16, 64), rand(3, 16).float(), rand(40, 64), rand(40, 96)
-    slots = torch.randperm(40, generator=gen)[:32].repeat(3, 1).to(device)
-    limits = torch.tensor([32, 5, 0], device=device)
+    slots = torch.randperm(40, generator=gen)[:32].view(2, 16).to(device)       # two sequences
+    row_seq = torch.tensor([0, 1, 1], device=device)
+    limits = torch.tensor([16, 5, 0], device=device)
     errs = []
-    scores = dsa_torch.indexer_scores(q, weights, keys, slots, limits)
-    got = kernels.indexer_scores(q, weights, keys, slots, limits)
+    scores = dsa_torch.indexer_scores(q, weights, keys, slots, row_seq, limits)
+    got = kernels.indexer_scores(q, weights, keys, slots, row_seq, limits)
     seen = torch.isfinite(scores)
     errs.append(_rel(got[seen], scores[seen]) if torch.equal(seen, torch.isfinite(got)) else 1.0)
-    selected, visible = select_topk(scores, slots, limits, 8)
+    selected, visible = select_topk(scores, slots, row_seq, limits, 8)
     q_mla = rand(3, 8, 96)
     want = dsa_torch.sparse_mla(q_mla, kv, selected, visible, 0.1, 64)
     errs.append(_rel(kernels.sparse_mla(q_mla, kv, selected, visible, 0.1, 64), want))
@@ -83,9 +87,26 @@ class DSAAttention:
         self.topk, self.latent_dim, self.scale = d.index_topk, d.kv_lora_rank, softmax_scale(cfg)
         rows = torch.arange(meta.local_cap, device=meta.q_limits.device)
         seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)
-        seq = seq.clamp(max=meta.page_rows.shape[0] - 1)
-        self.slots = key_slots(meta.page_rows[seq], pool.page_size)   # [rows, K] each row's keys
+        self.row_seq = seq.clamp(max=meta.page_rows.shape[0] - 1)
+        self.seq_slots = key_slots(meta.page_rows, pool.page_size)    # [S, K] each sequence's keys
+        keys, width = self.seq_slots.shape[1], d.kv_lora_rank + d.qk_rope_head_dim
+        self.score_chunk = max(1, CHUNK_ELEMENTS // (keys * d.index_head_dim))
+        self.attend_chunk = max(1, CHUNK_ELEMENTS // (min(keys, self.topk) * width))
         self.selected: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _select(self, q: torch.Tensor, weights: torch.Tensor,
+                keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's top-k for every local query row, scored a chunk of rows at a time."""
+        parts = []
+        for start in range(0, q.shape[0], self.score_chunk):
+            rows = slice(start, start + self.score_chunk)
+            seq, limits = self.row_seq[rows], self.meta.q_limits[rows]
+            scores = self.kernels.indexer_scores(q[rows], weights[rows], keys, self.seq_slots, seq,
+                                                 limits)
+            parts.append(select_topk(scores, self.seq_slots, seq, limits, self.topk))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         if self.meta.cp_size == 1:
@@ -103,13 +124,15 @@ class DSAAttention:
             index_q, weights, index_k = index
             pool.write_index(layer_id, meta.gather_slots, self._gather(index_k))
             with nvtx_range("dsa_indexer"):
-                keys, limits = pool.index_keys(layer_id), meta.q_limits
-                scores = self.kernels.indexer_scores(index_q, weights, keys, self.slots, limits)
-                self.selected = select_topk(scores, self.slots, limits, self.topk)
+                self.selected = self._select(index_q, weights, pool.index_keys(layer_id))
         if self.selected is None:
             raise RuntimeError(f"layer {layer_id} reuses the previous top-k, but no layer before "
                                "it ran one")
         selected, visible = self.selected
+        kv, step, parts = pool.latent_kv(layer_id), self.attend_chunk, []
         with nvtx_range("attention"):
-            return self.kernels.sparse_mla(q, pool.latent_kv(layer_id), selected, visible,
-                                           self.scale, self.latent_dim)
+            for start in range(0, q.shape[0], step):
+                rows = slice(start, start + step)
+                parts.append(self.kernels.sparse_mla(q[rows], kv, selected[rows], visible[rows],
+                                                     self.scale, self.latent_dim))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -14,10 +14,13 @@ def key_slots(page_rows: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
-                   slots: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+                   seq_slots: torch.Tensor, row_seq: torch.Tensor,
+                   limits: torch.Tensor) -> torch.Tensor:
     """Sum over heads of weight x ReLU(scale q.k) for every key position of each query row.
-    q [B, Hi, Di], weights [B, Hi] fp32, index_keys [slots, Di] (the pool), slots [B, K] (key
-    position -> slot), limits [B] (keys each query sees) -> [B, K] fp32, -inf past the limit."""
+    q [B, Hi, Di], weights [B, Hi] fp32, index_keys [slots, Di] (the pool), seq_slots [S, K] (key
+    position -> slot per sequence), row_seq [B] (each row's sequence), limits [B] (keys each query
+    sees) -> [B, K] fp32, -inf past the limit."""
+    slots = seq_slots.index_select(0, row_seq)
     keys = index_keys[slots].float()                                                 # [B, K, Di]
     scores = torch.relu(torch.matmul(q.float(), keys.transpose(1, 2)) * q.shape[-1] ** -0.5)
     scores = torch.matmul(weights.float().unsqueeze(1), scores).squeeze(1)           # [B, K]
@@ -25,12 +28,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Ten
     return torch.where(pos[None, :] < limits[:, None], scores, float("-inf"))
 
 
-def select_topk(scores: torch.Tensor, slots: torch.Tensor, limits: torch.Tensor,
-                topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_topk(scores: torch.Tensor, seq_slots: torch.Tensor, row_seq: torch.Tensor,
+                limits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``topk`` best positions of each row -> (their slots [B, k], visible [B, k]), k =
     min(topk, K). A row seeing fewer keys than k keeps them all (the rest are marked invisible)."""
     picked = scores.topk(min(topk, scores.shape[1]), dim=-1).indices
-    return slots.gather(1, picked), picked < limits[:, None]
+    flat = row_seq[:, None] * seq_slots.shape[1] + picked
+    return seq_slots.reshape(-1)[flat], picked < limits[:, None]
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, selected_slots: torch.Tensor,

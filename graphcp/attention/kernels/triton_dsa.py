@@ -20,7 +20,7 @@ def _prec(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _indexer_kernel(Q, W, KEYS, SLOTS, LIMITS, OUT, heads, dim, num_keys, scale,
+def _indexer_kernel(Q, W, KEYS, SLOTS, ROW_SEQ, LIMITS, OUT, heads, dim, num_keys, scale,
                     stride_qb, stride_qh, stride_wb, stride_ks, stride_sb, stride_ob,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                     PREC: tl.constexpr):
@@ -31,7 +31,8 @@ def _indexer_kernel(Q, W, KEYS, SLOTS, LIMITS, OUT, heads, dim, num_keys, scale,
     in_keys = pos < num_keys
     q = tl.load(Q + row * stride_qb + h[:, None] * stride_qh + d[None, :],
                 mask=(h[:, None] < heads) & (d[None, :] < dim), other=0.0)
-    slot = tl.load(SLOTS + row * stride_sb + pos, mask=in_keys, other=0).to(tl.int64)
+    seq = tl.load(ROW_SEQ + row).to(tl.int64)
+    slot = tl.load(SLOTS + seq * stride_sb + pos, mask=in_keys, other=0).to(tl.int64)
     kt = tl.load(KEYS + slot[None, :] * stride_ks + d[:, None],
                  mask=in_keys[None, :] & (d[:, None] < dim), other=0.0)
     s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision=PREC) * scale   # [H, K]
@@ -43,16 +44,18 @@ def _indexer_kernel(Q, W, KEYS, SLOTS, LIMITS, OUT, heads, dim, num_keys, scale,
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
-                   slots: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-    """q [B, Hi, Di], weights [B, Hi] fp32, index_keys [slots, Di], slots [B, K], limits [B]
-    -> scores [B, K] fp32 (-inf past each row's limit)."""
+                   seq_slots: torch.Tensor, row_seq: torch.Tensor,
+                   limits: torch.Tensor) -> torch.Tensor:
+    """q [B, Hi, Di], weights [B, Hi] fp32, index_keys [slots, Di], seq_slots [S, K], row_seq [B],
+    limits [B] -> scores [B, K] fp32 (-inf past each row's limit)."""
     rows, heads, dim = q.shape
-    num_keys = slots.shape[1]
+    num_keys = seq_slots.shape[1]
     out = torch.empty(rows, num_keys, dtype=torch.float32, device=q.device)
-    q, weights, slots = q.contiguous(), weights.float().contiguous(), slots.contiguous()
+    q, weights, slots = q.contiguous(), weights.float().contiguous(), seq_slots.contiguous()
     block_k = 32
     grid = (rows, triton.cdiv(num_keys, block_k))
-    _indexer_kernel[grid](q, weights, index_keys, slots, limits.contiguous(), out, heads, dim,
+    _indexer_kernel[grid](q, weights, index_keys, slots, row_seq.contiguous(), limits.contiguous(),
+                          out, heads, dim,
                           num_keys, dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0),
                           index_keys.stride(0), slots.stride(0), out.stride(0),
                           BLOCK_H=max(16, triton.next_power_of_2(heads)),
