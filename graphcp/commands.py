@@ -109,5 +109,8 @@ def _merge_kv(parts: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for layer in sorted(by_layer):
         shards = [kv for _, kv in sorted(by_layer[layer], key=lambda x: x[0])]
+        if len(shards) == 1:      # one attention-TP rank: the layer as the rank returned it (DSA too)
+            out.append(shards[0])
+            continue
         out.append((torch.cat([k for k, _ in shards]), torch.cat([v for _, v in shards])))
     return out

@@ -19,10 +19,12 @@ from graphcp.graph.runner import select_bucket
 from graphcp.kv.pages import PageTable
 
 
-def config_ineligibility(args, backend: str) -> str | None:  # noqa: ANN001
+def config_ineligibility(args, backend: str, dsa: bool = False) -> str | None:  # noqa: ANN001
     """The one eligibility predicate for configurations; None means graphs are used."""
     if args.disable_cuda_graph:
         return "graphs disabled by --disable-cuda-graph"
+    if dsa:
+        return "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"
     if args.pp_size > 1:
         return "pp_size > 1"
     if args.dp_size > 1:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from graphcp.attention.dsa import DSAAttention
 from graphcp.attention.op import PagedAttention
 from graphcp.attention.registry import KERNELS, kv_write_kernel, resolve_kernel
 from graphcp.aux_hidden import AuxHidden, gather_rows
@@ -28,9 +29,11 @@ from graphcp.graph.buffers import Descriptors
 from graphcp.graph.protocol import GraphCaptureError
 from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kv.cache import KVPool
+from graphcp.kv.dsa_cache import DSAPool
 from graphcp.kv.sizing import context_limit, kv_tokens
 from graphcp.models import fp8, load_model, read_model_config
 from graphcp.models.config import check_expert_parallel
+from graphcp.models.dsa_config import check_dsa_flags
 from graphcp.models.moe import probe_experts
 from graphcp.models.layers import probe_layer_kernels
 from graphcp.pd.sender import start_sender
@@ -52,6 +55,8 @@ class ModelRunner:
         self.model_config = cfg = read_model_config(args.model_path)
         check_model_fits(args, cfg)
         check_expert_parallel(cfg, args.ep_size)
+        if cfg.dsa is not None:
+            check_dsa_flags(args)
         self.par = par = RankParallel.build(args, rank, cfg, self.device)
         self.me, self.comm = par.me, par.comm
         self.backend = args.resolved_backend()
@@ -72,12 +77,19 @@ class ModelRunner:
             probe_experts(self.model)
 
         per_token = KVPool.bytes_per_token(len(self.layers), heads[1], cfg.head_dim, self.dtype)
+        if cfg.dsa is not None:
+            per_token = DSAPool.bytes_per_token(cfg, self.dtype)
         tokens = kv_tokens(args.max_total_tokens, per_token, self.device, par.ranks_per_device,
                            cfg.max_position_embeddings, args.max_batch_requests, args.page_size)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = context_limit(cfg.max_position_embeddings, tokens, cfg.sliding_window, rank == 0)
         pool_shape = (len(self.layers), num_pages, args.page_size, heads[1], cfg.head_dim, self.dtype, self.device)
-        if args.enable_dsa_cache_layer_split:     # PD LayerSplit: this CP rank's layers + one scratch layer
+        if cfg.dsa is not None:                   # MLA rows + indexer keys
+            d = cfg.dsa
+            self.pool = DSAPool(cfg.num_hidden_layers, num_pages, args.page_size, d.kv_lora_rank,
+                                d.qk_rope_head_dim, d.index_head_dim, d.shared_indexer, self.dtype,
+                                self.device)
+        elif args.enable_dsa_cache_layer_split:  # PD LayerSplit: this CP rank's layers + one scratch layer
             from graphcp.pd.layer_split import LayerSplitPool
             self.pool = LayerSplitPool(*pool_shape, par.groups.cp, par.cp_ranks, self.me.cp_rank)
         else:
@@ -93,7 +105,7 @@ class ModelRunner:
             self.strategy = self.planner.strategy = adaptive_strategy(args.cp_size, args.adaptive_cp_threshold,
                                                                       cost, rank == 0)
 
-        self.graph_reason = config_ineligibility(args, self.backend)
+        self.graph_reason = config_ineligibility(args, self.backend, dsa=cfg.dsa is not None)
         self.graphs: GraphRunner | None = None
         if self.graph_reason is None:
             self._capture(capture_progress and rank == 0)
@@ -157,6 +169,9 @@ class ModelRunner:
                 meta, (local_ids,) = meta.to(self.device, local_ids)
         split = self.backend == "flashattention" and strategy.splits_early_late
         attention = PagedAttention(self.pool, meta, self.comm, self.kernel, batch.host, split, self.scale)
+        if self.model_config.dsa is not None:
+            attention = DSAAttention(self.pool, meta, self.comm, self.model_config,
+                                     self.args.attention_kernel)
         par, aux = self.par, self.aux
         with forward_context(attention, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:
@@ -249,8 +264,7 @@ class ModelRunner:
         layers = []
         held = self.pool.held_layers(self.layers)       # LayerSplit: only this CP rank's layers
         for layer in held:
-            k, v = self.pool.read(layer, slots)
-            layers.append((k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()))
+            layers.append(self.pool.export(layer, slots))
         return {"first_layer": held.start, "attn_tp_rank": self.me.attn_tp_rank,
                 "cp_rank": self.me.cp_rank, "layers": layers, "layer_split": held != self.layers}
 

@@ -41,6 +41,11 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys(layer).index_select(0, slots), self.values(layer).index_select(0, slots)
 
+    def export(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of ``slots`` as the engine returns them: [kv_heads, n, head_dim], CPU fp32."""
+        k, v = self.read(layer, slots)
+        return k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()
+
     # -- hooks for pools that do not hold every layer (graphcp/pd/layer_split.py) ---------------------
     def held_layers(self, stage_layers: range) -> range:
         """The layers whose cache this pool keeps between batches."""

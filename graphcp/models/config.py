@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
+from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
 
 ARCHITECTURES = {
@@ -14,10 +15,12 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
+    **DSA_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+                "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
           "num_attention_heads": 1024, "num_experts": 4096,
@@ -52,6 +55,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
+    dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
 
     @property
     def q_size(self) -> int:
@@ -102,7 +106,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
+    dsa_yarn = rope_type == "yarn" and arch in DSA_ARCHITECTURES      # DeepSeek's YaRN (dsa_rope.py)
+    if rope_type not in ("default", "linear", "llama3") and not dsa_yarn:
         raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
     scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
     fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
@@ -129,6 +134,9 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         # transformers 5 writes the expert count as num_local_experts; released checkpoints say num_experts.
         raw.setdefault("num_experts", raw.get("num_local_experts"))
         cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
+    if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
+        cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
+        cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
+from graphcp.models.deepseek_v32 import DSACausalLM
 from graphcp.models.gguf import GGUFTensors, is_gguf
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
@@ -51,9 +52,10 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     cfg = read_model_config(model_path)
     reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
     names = set(reader.shapes)
+    model_class = DSACausalLM if cfg.dsa is not None else CausalLM
     with torch.device("meta"):
-        full = CausalLM(cfg)
-        model = CausalLM(cfg, tp, layers, ffn_tp, ep)
+        full = model_class(cfg)
+        model = model_class(cfg, tp, layers, ffn_tp, ep)
     quantized = set(fp8.quantized_names(full, cfg))
     expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
     for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
@@ -63,12 +65,16 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
         quantized.update(fp8.quantized_expert_names(prefix, tensors, cfg))
     _check_names_and_shapes(cfg, expected, reader, quantized)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():        # routers and the like that HF keeps in fp32
+        if getattr(module, "keep_fp32", False):
+            module.float()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
     if keep_fp8 is None:
         keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
+    keep_fp8 = keep_fp8 and cfg.dsa is None      # MLA's absorbed form needs kv_b_proj dequantized
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
 
@@ -89,6 +95,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
             else:
                 tensor = reader.read(source, shards.get(name))
             param.copy_(_finite(source, tensor))
+
         for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
             experts.load(prefix, names, read_expert,
                          lambda source, index: _finite(source, reader.take(source, index)))
@@ -174,8 +181,11 @@ def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], reader
         hint = " (quantization_config fp8 needs one per projection weight)" if missing[0] in scales else ""
         raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. "
                           f"{label(missing[0])!r}{hint}")
+    # DSA checkpoints carry a multi-token-prediction layer after the last one, which HF skips too.
+    mtp = f"model.layers.{cfg.num_hidden_layers}." if cfg.dsa is not None else None
     unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+                  and not (mtp and n.startswith(mtp))]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
                           f"e.g. {label(unexpected[0])!r}")

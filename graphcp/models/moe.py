@@ -46,6 +46,40 @@ class SoftmaxTopKRouter(nn.Module):
         return weights.to(x.dtype), ids
 
 
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek's router: sigmoid scores; groups ranked by their two best scores (with the
+    score-correction bias), experts chosen within the best ``topk_group`` groups; the weights are
+    the unbiased scores, optionally renormalised, times ``routed_scaling_factor``. fp32
+    throughout; its weights stay fp32 in a bf16 model, as HF keeps them."""
+
+    keep_fp32 = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.dsa
+        experts = cfg.num_experts
+        self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts), requires_grad=False)
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.groups, self.topk_group = d.n_group, d.topk_group
+        self.scaling = d.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] in x's dtype, expert ids [N, k] int64)."""
+        scores = torch.sigmoid(nn.functional.linear(x.float(), self.weight.float()))
+        choice = scores + self.e_score_correction_bias.float()
+        grouped = choice.view(x.shape[0], self.groups, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(grouped[..., 0]).scatter_(1, best_groups, 1.0)
+        choice = torch.where(keep[..., None] > 0, grouped, float("-inf")).view(x.shape[0], -1)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.scaling).to(x.dtype), ids
+
+
 class Experts(nn.Module):
     """This rank's experts, stored fused as transformers 5 keeps them: gate_up_proj
     [E_local, 2 I_local, H] (gate rows first), down_proj [E_local, H, I_local]. Checkpoints name

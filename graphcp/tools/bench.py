@@ -13,7 +13,9 @@ import time
 
 import torch
 
+from graphcp.models.config import read_model_config
 from graphcp.tools.cli import engine_args, engine_parser
+from graphcp.tools.dsa_balance import dsa_table
 
 DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
 
@@ -88,7 +90,6 @@ def run(argv: list[str]) -> int:
     if args.max_total_tokens is None:
         args = dataclasses.replace(args, max_total_tokens=max(n * length for n, length in cases) + 1024)
     from graphcp import Engine, Request
-    from graphcp.models import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     hf = None
     if not ns.no_hf:
@@ -139,6 +140,10 @@ def run(argv: list[str]) -> int:
     print(f"host prep per batch ({prep['case']}, planner + descriptor fill, no ranks): "
           f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists")
     report["host_prep_us"] = prep["host_prep_us"]
+    dsa = read_model_config(args.model_path).dsa
+    if dsa is not None:        # the indexer's and the sparse attention's work per rank (interleave)
+        table, report["dsa_balance"] = dsa_table(cases, balance_cp, dsa.index_topk)
+        print(table)
     moe = moe_traffic(args, cases, vocab)
     if moe:
         report["moe_traffic"] = moe
@@ -158,7 +163,6 @@ def moe_traffic(args, cases: list[tuple[int, int]], vocab: int) -> list | None: 
     and the expert load (pairs per EP rank), as the communicators measure them on one eager forward
     per case. None for dense models or a one-rank TP world."""
     from graphcp import Engine, Request
-    from graphcp.models import read_model_config
     if not read_model_config(args.model_path).moe_layers or args.tp_size == 1:
         return None
     gen = torch.Generator().manual_seed(1)

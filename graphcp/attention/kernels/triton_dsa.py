@@ -1,0 +1,127 @@
+"""DSA kernels in Triton, with the contracts of ``attention/dsa_torch.py``.
+
+``indexer_scores``: one program per (query row, block of key positions) gathers the keys' cached
+indexer rows through the row's slots and computes sum over heads of weight x ReLU(scale q.k) with
+one [heads x Di] @ [Di x keys] dot; positions past the row's causal limit score -inf. The top-k over
+the scores stays ``torch.topk``. ``sparse_mla``: one program per (query row, block of heads) runs an
+online softmax over the row's selected cache rows, latent and RoPE parts as two dots, values the
+latent part.
+fp32 dots use IEEE precision (no TF32), so fp32 results match the torch reference to rounding.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _indexer_kernel(Q, W, KEYS, SLOTS, ROW_SEQ, LIMITS, OUT, heads, dim, num_keys, scale,
+                    stride_qb, stride_qh, stride_wb, stride_ks, stride_sb, stride_ob,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PREC: tl.constexpr):
+    row = tl.program_id(0)
+    pos = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    in_keys = pos < num_keys
+    q = tl.load(Q + row * stride_qb + h[:, None] * stride_qh + d[None, :],
+                mask=(h[:, None] < heads) & (d[None, :] < dim), other=0.0)
+    seq = tl.load(ROW_SEQ + row).to(tl.int64)
+    slot = tl.load(SLOTS + seq * stride_sb + pos, mask=in_keys, other=0).to(tl.int64)
+    kt = tl.load(KEYS + slot[None, :] * stride_ks + d[:, None],
+                 mask=in_keys[None, :] & (d[:, None] < dim), other=0.0)
+    s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision=PREC) * scale   # [H, K]
+    w = tl.load(W + row * stride_wb + h, mask=h < heads, other=0.0)
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+    limit = tl.load(LIMITS + row)
+    score = tl.where(pos < limit, score, float("-inf"))
+    tl.store(OUT + row * stride_ob + pos, score, mask=in_keys)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
+                   seq_slots: torch.Tensor, row_seq: torch.Tensor,
+                   limits: torch.Tensor) -> torch.Tensor:
+    """q [B, Hi, Di], weights [B, Hi] fp32, index_keys [slots, Di], seq_slots [S, K], row_seq [B],
+    limits [B] -> scores [B, K] fp32 (-inf past each row's limit)."""
+    rows, heads, dim = q.shape
+    num_keys = seq_slots.shape[1]
+    out = torch.empty(rows, num_keys, dtype=torch.float32, device=q.device)
+    q, weights, slots = q.contiguous(), weights.float().contiguous(), seq_slots.contiguous()
+    block_k = 32
+    grid = (rows, triton.cdiv(num_keys, block_k))
+    _indexer_kernel[grid](q, weights, index_keys, slots, row_seq.contiguous(), limits.contiguous(),
+                          out, heads, dim,
+                          num_keys, dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0),
+                          index_keys.stride(0), slots.stride(0), out.stride(0),
+                          BLOCK_H=max(16, triton.next_power_of_2(heads)),
+                          BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_K=block_k,
+                          PREC=_prec(q.dtype))
+    return out
+
+
+@triton.jit
+def _sparse_mla_kernel(Q, KV, SEL, VIS, OUT, heads, latent, rope, num_sel, scale,
+                       stride_qb, stride_qh, stride_kvs, stride_sb, stride_vb, stride_ob, stride_oh,
+                       BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    c = tl.arange(0, BLOCK_C)
+    r = tl.arange(0, BLOCK_R)
+    h_ok = h < heads
+    q_row = Q + row * stride_qb + h[:, None] * stride_qh
+    q_lat = tl.load(q_row + c[None, :], mask=h_ok[:, None] & (c[None, :] < latent), other=0.0)
+    q_rope = tl.load(q_row + latent + r[None, :], mask=h_ok[:, None] & (r[None, :] < rope),
+                     other=0.0)
+    q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    for start in range(0, num_sel, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < num_sel
+        slot = tl.load(SEL + row * stride_sb + n, mask=n_ok, other=0).to(tl.int64)
+        visible = tl.load(VIS + row * stride_vb + n, mask=n_ok, other=0) != 0
+        base = KV + slot[:, None] * stride_kvs
+        lat = tl.load(base + c[None, :], mask=n_ok[:, None] & (c[None, :] < latent),
+                      other=0.0).to(tl.float32)                                     # [N, C]
+        rp = tl.load(base + latent + r[None, :], mask=n_ok[:, None] & (r[None, :] < rope),
+                     other=0.0).to(tl.float32)                                      # [N, R]
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=PREC)
+        s = (s + tl.dot(q_rope, tl.trans(rp), input_precision=PREC)) * scale         # [H, N]
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no visible key yet: nothing to add
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision=PREC)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT + row * stride_ob + h[:, None] * stride_oh + c[None, :], out,
+             mask=h_ok[:, None] & (c[None, :] < latent))
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, selected_slots: torch.Tensor,
+               visible: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+    """q [B, H, latent + rope], kv [slots, latent + rope], selected_slots / visible [B, k]
+    -> [B, H, latent] (zeros on a row without a visible key)."""
+    rows, heads, width = q.shape
+    num_sel = selected_slots.shape[1]
+    out = torch.empty(rows, heads, latent_dim, dtype=q.dtype, device=q.device)
+    q, sel = q.contiguous(), selected_slots.contiguous()
+    vis = visible.to(torch.int8).contiguous()
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    grid = (rows, triton.cdiv(heads, block_h))
+    _sparse_mla_kernel[grid](q, kv, sel, vis, out, heads, latent_dim, width - latent_dim, num_sel,
+                             scale, q.stride(0), q.stride(1), kv.stride(0), sel.stride(0),
+                             vis.stride(0), out.stride(0), out.stride(1), BLOCK_H=block_h,
+                             BLOCK_C=max(16, triton.next_power_of_2(latent_dim)),
+                             BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
+                             BLOCK_N=16, PREC=_prec(q.dtype))
+    return out

@@ -1,0 +1,60 @@
+"""The DSA KV pool: per layer the MLA rows ``[kv_latent | k_rope]`` and, on layers that run their
+own indexer, the indexer keys; slot = page * page_size + offset, page 0 reserved (the dummy
+slot)."""
+from __future__ import annotations
+
+import torch
+
+
+class DSAPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
+                 rope_dim: int, index_dim: int, shared_indexer: tuple[bool, ...],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_pages, self.page_size, self.kv_lora_rank = num_pages, page_size, kv_lora_rank
+        slots = num_pages * page_size
+        width = kv_lora_rank + rope_dim
+        self.kv = torch.zeros(num_layers, slots, width, dtype=dtype, device=device)
+        indexed = [i for i in range(num_layers) if not shared_indexer[i]]
+        self.index_row = {layer: n for n, layer in enumerate(indexed)}   # layer -> indexer cache
+        self.index_k = torch.zeros(len(indexed), slots, index_dim, dtype=dtype, device=device)
+        self.device = self.kv.device
+
+    def latent_kv(self, layer: int) -> torch.Tensor:
+        return self.kv[layer]
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        return self.index_k[self.index_row[layer]]
+
+    def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.kv[layer].index_copy_(0, slots, rows)
+
+    def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        self.index_keys(layer).index_copy_(0, slots, keys)
+
+    def export(self, layer: int, slots: torch.Tensor) -> tuple:
+        """(kv_latent [n, kv_lora_rank], k_rope [n, rope_dim], index_k [n, index_dim] or None),
+        CPU fp32: the tensors HF keeps in its cache."""
+        rows = self.kv[layer].index_select(0, slots).float().cpu()
+        index = None
+        if layer in self.index_row:
+            index = self.index_keys(layer).index_select(0, slots).float().cpu()
+        return rows[:, :self.kv_lora_rank], rows[:, self.kv_lora_rank:], index
+
+    # -- the KVPool hooks the runner calls -----------------------------------------------------
+    def held_layers(self, stage_layers: range) -> range:
+        return stage_layers
+
+    def begin_batch(self, rows: list[list[int]], prefix_lens: list[int]) -> None:
+        """Nothing to prepare: every layer is held."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k))
+
+    @staticmethod
+    def bytes_per_token(cfg, dtype: torch.dtype) -> int:
+        d = cfg.dsa
+        indexed = sum(not s for s in d.shared_indexer)
+        size = torch.empty((), dtype=dtype).element_size()
+        mla = cfg.num_hidden_layers * (d.kv_lora_rank + d.qk_rope_head_dim)
+        return size * (mla + indexed * d.index_head_dim)
