@@ -43,6 +43,9 @@ def _token_tensor(rid: str, ids: object) -> torch.Tensor:
     """A request's ids as a 1-D int64 CPU tensor. Tensors and numpy arrays are taken as they are (no
     Python round trip); lists and tuples go through numpy. Anything but flat integers is refused:
     casting would truncate 1.5 to 1 silently."""
+    if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.dim() == 1 and ids.numel() \
+            and not ids.is_cuda and not ids.requires_grad:
+        return ids                  # the serving path: already a flat int64 CPU tensor, nothing to do
     if isinstance(ids, torch.Tensor):
         tokens, dtype = ids, ids.dtype
         integral = not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)

@@ -77,6 +77,8 @@ class Planner:
     # -- decisions -------------------------------------------------------------------------------
     def assign_dp(self, rids: list[str], extend_lens: list[int]) -> list[int]:
         """DP group of each request: where its KV already lives, else the group with the fewest new tokens."""
+        if len(self.dp_pages) == 1:
+            return [0] * len(rids)
         load = [0] * len(self.dp_pages)
         groups = []
         for rid, n in zip(rids, extend_lens):
@@ -92,20 +94,27 @@ class Planner:
         all_rids, all_ids = validate_requests(requests, self.vocab_size)
         all_ext = [t.numel() for t in all_ids]
         groups = self.assign_dp(all_rids, all_ext)
-        for g, pages in enumerate(self.dp_pages):          # every group's check, on every rank
-            mine = [i for i, d in enumerate(groups) if d == g]
-            pages.check([all_rids[i] for i in mine], [all_ext[i] for i in mine])
-        indices = [i for i, d in enumerate(groups) if d == self.dp_rank]
-        rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
-        ext = [all_ext[i] for i in indices]
+        if len(self.dp_pages) == 1:
+            self.pages.check(all_rids, all_ext)
+            indices, rids, ids, ext = list(range(len(all_rids))), all_rids, all_ids, all_ext
+        else:
+            for g, pages in enumerate(self.dp_pages):          # every group's check, on every rank
+                mine = [i for i, d in enumerate(groups) if d == g]
+                pages.check([all_rids[i] for i in mine], [all_ext[i] for i in mine])
+            indices = [i for i, d in enumerate(groups) if d == self.dp_rank]
+            rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
+            ext = [all_ext[i] for i in indices]
         prefix = [self.pages.prefix_len(r) for r in rids]
         strategy, cp_applied = self.strategy.for_batch(ext, prefix), self.cp_size > 1
         if cp_applied and not strategy.applies(ext):
             strategy, cp_applied = unsharded(), False
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
-        local_cap = max(self._local_cap([(n, self.dp_pages[g].prefix_len(r))
-                                         for r, n, d in zip(all_rids, all_ext, groups) if d == g])
-                        for g in range(len(self.dp_pages)))
+        if len(self.dp_pages) == 1:
+            local_cap = self._local_cap(list(zip(ext, prefix)))
+        else:
+            local_cap = max(self._local_cap([(n, self.dp_pages[g].prefix_len(r))
+                                             for r, n, d in zip(all_rids, all_ext, groups) if d == g])
+                            for g in range(len(self.dp_pages)))
         # Unsharded, every rank holds the whole batch.
         counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.cp_size
         bucket, reason = None, graph_reason

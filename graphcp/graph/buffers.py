@@ -6,7 +6,6 @@ zigzag page table, KV slots, restore indices, positions) is computed from them i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -35,7 +34,8 @@ class Descriptors:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
         No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
         packed = self.packed.numpy()
-        packed[:] = 0
+        ids_start = packed.shape[0] - self.input_ids.shape[0]
+        packed[:ids_start] = 0           # ids past the batch's are never read (padding rows read row 0)
         n = len(extend_lens)
         cap = self.extend_lens.shape[0]
         packed[:n] = extend_lens
@@ -46,6 +46,9 @@ class Descriptors:
         if widths.sum():
             table = self.page_table.numpy()
             used = np.arange(table.shape[1])[None, :] < widths[:, None]
-            table[:len(page_rows)][used] = np.fromiter(chain.from_iterable(page_rows), dtype=np.int64)
-        flat = torch.cat(ids)
-        self.input_ids[:flat.numel()] = flat
+            flat: list[int] = []
+            for row in page_rows:
+                flat.extend(row)
+            table[:len(page_rows)][used] = np.array(flat, dtype=np.int64)
+        total = sum(t.numel() for t in ids)
+        torch.cat(ids, out=self.input_ids[:total])

@@ -46,12 +46,14 @@ class PageTable:
 
     def check(self, rids: list[str], extend_lens: list[int]) -> None:
         """Raise RequestError for the first request that cannot fit; changes nothing."""
-        need = 0
+        need, ps, requests = 0, self.page_size, self.requests
         for rid, n in zip(rids, extend_lens):
-            total = self.prefix_len(rid) + n
+            state = requests.get(rid)
+            cached, have = (state.cached_len, len(state.pages)) if state else (0, 0)
+            total = cached + n
             if total > self.max_context:
                 raise RequestError(f"request {rid!r}: {total} tokens exceed the context limit of {self.max_context}")
-            need += self.pages_needed(rid, n)
+            need += max(0, -(-total // ps) - have)
         if need > len(self.free_pages):
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
                                f"only {self.tokens_free} are free; release finished requests")

@@ -77,11 +77,20 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--plot", default="graphcp-bench.png")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="instead of the cases: static zigzag vs adaptive CP vs unsharded on an all-short and a "
+                             "mixed batch, side by side at the run's CP size (default CP 2)")
     parser.add_argument("--real-model", action="store_true",
                         help="bench the real trained model (SmolLM2-135M-Instruct, GGUF) instead of the random one")
     parser.add_argument("--balance-cp", type=int, default=None,
                         help="CP size for the layout-balance columns (default: the run's, or 4 at CP=1)")
     ns = parser.parse_args(argv)
+    if ns.adaptive:                      # the same report as ``graphcp adaptive-bench``
+        from graphcp.tools import adaptive_bench
+        flags = [a for a in argv if a != "--adaptive"]
+        return adaptive_bench.run(flags if "--attn-cp-size" in flags else flags + ["--tp", "2", "--attn-cp-size", "2",
+                                                                                    "--enable-prefill-cp",
+                                                                                    "--cp-strategy", "zigzag"])
     if ns.real_model and ns.model_path is None:
         from graphcp.models.real_model import smollm2_path
         ns.model_path = smollm2_path()
