@@ -16,6 +16,8 @@ Parts (each guarded: a failure is recorded as FAILED and the rest still runs):
   f. Capture on a dirty pool (a subprocess): a large block is filled with a non-zero pattern and freed, then
      an engine with the torch attention kernel (a graph break that reads lengths on the host) captures its
      buckets; every batch must replay as a graph and equal eager.
+  g. The DSA Triton kernels (indexer scoring, sparse MLA) and the grouped expert GEMM against their torch
+     forms, with their times.
 
 Every graph-vs-eager check also requires that the batch really replayed as a graph (a bucket that failed
 capture would compare eager with eager); capture failures are recorded in the report.
@@ -712,6 +714,58 @@ def part_e(rep: Report) -> str:
     return "; ".join(notes)
 
 
+def part_g(rep: Report) -> str:
+    """DSA and MoE kernels against their torch forms (the interpreter on a dry run)."""
+    import torch
+
+    from graphcp.attention import dsa_torch
+    from graphcp.attention.kernels import triton_dsa
+    from graphcp.models.moe import _experts_torch
+    from graphcp.models.triton_moe import triton_experts
+    dev, dtype = ("cpu", torch.float32) if rep.dry_run else ("cuda", torch.bfloat16)
+    tol = 1e-5 if rep.dry_run else 2e-2
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    # Indexer: rows x heads x dim queries over a sequence's keys; sparse MLA over the top-k of them.
+    rows, heads, dim, keys, topk = (6, 16, 32, 40, 8) if rep.dry_run else (4096, 64, 128, 8192, 2048)
+    q, w, index_keys = rand(rows, heads, dim), torch.randn(rows, heads, generator=gen).to(dev), rand(keys, dim)
+    slots = torch.randperm(keys, generator=gen).view(1, keys).to(dev)
+    row_seq = torch.zeros(rows, dtype=torch.long, device=dev)
+    limits = torch.linspace(keys // 2, keys, rows).long().to(dev)
+    want = dsa_torch.indexer_scores(q, w, index_keys, slots, row_seq, limits)
+    got = triton_dsa.indexer_scores(q, w, index_keys, slots, row_seq, limits)
+    seen = torch.isfinite(want)
+    rep.check("g", f"DSA indexer scores {rows}x{heads}x{dim} over {keys} keys", "max rel err",
+              _rel_err(got[seen].float().cpu(), want[seen].float().cpu()), tol)
+    selected, shown = dsa_torch.select_topk(want, slots, row_seq, limits, topk)
+    mla_heads, latent, rope = (4, 32, 16) if rep.dry_run else (16, 512, 64)
+    q_mla, kv = rand(rows, mla_heads, latent + rope), rand(keys, latent + rope)
+    ref = dsa_torch.sparse_mla(q_mla, kv, selected, shown, 0.1, latent)
+    out = triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.1, latent)
+    rep.check("g", f"sparse MLA {rows}x{mla_heads} heads, top-{topk}", "max rel err",
+              _rel_err(out.float().cpu(), ref.float().cpu()), tol)
+    # Grouped experts: tokens routed top-k over this rank's experts.
+    n, hidden, inter, experts, k = (9, 64, 32, 4, 2) if rep.dry_run else (4096, 2048, 1408, 8, 2)
+    x, gate_up, down = rand(n, hidden), rand(experts, 2 * inter, hidden) * 0.05, rand(experts, hidden, inter) * 0.05
+    ids = torch.randint(0, experts, (n, k), generator=gen).to(dev)
+    weights = torch.rand(n, k, generator=gen).to(dev, dtype)
+    ref = _experts_torch(x, ids, weights, gate_up, down, 0)
+    out = triton_experts(x, ids, weights, gate_up, down, 0)
+    rep.check("g", f"grouped experts {n} tokens top-{k} over {experts} experts", "max rel err",
+              _rel_err(out.float().cpu(), ref.float().cpu()), 1e-4 if rep.dry_run else 3e-2)
+    if rep.dry_run:
+        return "interpreter, tiny shapes"
+    ms = {"indexer": _cuda_ms(lambda: triton_dsa.indexer_scores(q, w, index_keys, slots, row_seq, limits), 2, 5),
+          "sparse_mla": _cuda_ms(lambda: triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.1, latent), 2, 5),
+          "experts": _cuda_ms(lambda: triton_experts(x, ids, weights, gate_up, down, 0), 2, 5),
+          "experts_torch": _cuda_ms(lambda: _experts_torch(x, ids, weights, gate_up, down, 0), 1, 3)}
+    rep.info["dsa_moe_kernel_ms"] = ms
+    return ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+
+
 def _require_graph(rep: Report, part: str, shape: str, out) -> None:  # noqa: ANN001
     """A check of graphs is void unless the batch replayed as one."""
     rep.check(part, f"replayed as a graph {shape}", "not graph (1) / graph (0)", float(out.mode != "graph"), 0.0,
@@ -797,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="keep the generated checkpoint here (reused by a rerun); "
                         "default: a temporary directory removed at the end")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting work after this many seconds")
-    parser.add_argument("--parts", default="abcdef", help="subset of parts to run, e.g. 'ac'")
+    parser.add_argument("--parts", default="abcdefg", help="subset of parts to run, e.g. 'ac'")
     parser.add_argument("--dirty-pool-child", default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.dry_run:
@@ -840,6 +894,9 @@ def main(argv: list[str] | None = None) -> int:
         if "d" in ns.parts:
             rep.run_part("d", "CP=2 zigzag on one device vs CP=1", lambda r: part_d(r, state), needs_cuda=False,
                          min_left_s=15 if ns.dry_run else 75)
+        if "g" in ns.parts:
+            rep.run_part("g", "DSA and grouped-expert Triton kernels vs torch", part_g, needs_cuda=False,
+                         min_left_s=5 if ns.dry_run else 45)
         if "f" in ns.parts:
             rep.run_part("f", "capture on a dirty pool (torch kernel, subprocess)", lambda r: part_f(r, state),
                          needs_cuda=False, min_left_s=15 if ns.dry_run else 50)
