@@ -179,7 +179,7 @@ class Planner:
             return None
         ps = self.pages.page_size
         pos = torch.arange(state.cached_len)
-        return torch.tensor(state.pages, dtype=torch.long)[pos // ps] * ps + pos % ps
+        return torch.from_numpy(state.pages)[pos // ps] * ps + pos % ps
 
     @property
     def tokens_total(self) -> int:

@@ -2,8 +2,6 @@
 and transactions that leave no trace when rolled back."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from graphcp import Request, RequestError
@@ -23,7 +21,8 @@ def reqs(*lens: int, prefix: str = "r") -> list[Request]:
 
 
 def snapshot(p: Planner) -> list:
-    return [(list(t.free_pages), copy.deepcopy(t.requests)) for t in p.dp_pages]
+    return [(t.free_pages, {rid: (st.pages.tolist(), st.cached_len) for rid, st in t.requests.items()})
+            for t in p.dp_pages]
 
 
 def test_pages_allocate_commit_extend_release():
@@ -31,12 +30,12 @@ def test_pages_allocate_commit_extend_release():
     assert p.tokens_total == 16 * 4 and p.tokens_free == 64
     plan = p.plan(reqs(5, 3))
     p.commit(p.allocate(plan))
-    assert p.pages.requests["r0"].pages == [1, 2] and p.pages.requests["r1"].pages == [3]
+    assert p.pages.requests["r0"].pages.tolist() == [1, 2] and p.pages.requests["r1"].pages.tolist() == [3]
     assert p.pages.prefix_len("r0") == 5 and p.tokens_free == 64 - 12
     plan = p.plan([Request("r0", [1, 2, 3, 4])])          # extends r0: 9 tokens need a third page
     assert plan.prefix_lens == [5] and plan.extend_lens == [4]
     p.commit(p.allocate(plan))
-    assert p.pages.requests["r0"].pages == [1, 2, 4] and p.pages.prefix_len("r0") == 9
+    assert p.pages.requests["r0"].pages.tolist() == [1, 2, 4] and p.pages.prefix_len("r0") == 9
     assert p.slots("r0").tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 16]
     p.release("r0")
     p.release("r1")

@@ -46,9 +46,6 @@ class Descriptors:
         if widths.sum():
             table = self.page_table.numpy()
             used = np.arange(table.shape[1])[None, :] < widths[:, None]
-            flat: list[int] = []
-            for row in page_rows:
-                flat.extend(row)
-            table[:len(page_rows)][used] = np.array(flat, dtype=np.int64)
+            table[:len(page_rows)][used] = np.concatenate(page_rows)      # rows are int64 arrays
         total = sum(t.numel() for t in ids)
         torch.cat(ids, out=self.input_ids[:total])

@@ -1,14 +1,24 @@
-"""Page allocation and per-request page tables, on the host. Every rank makes the same decisions."""
+"""Page allocation and per-request page tables, on the host. Every rank makes the same decisions.
+
+Page ids live in int64 numpy arrays (the free stack and each request's row), so a batch's page table
+is filled without turning Python ints into tensors one by one.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from graphcp.errors import RequestError
 
 
-@dataclass
+def _no_pages() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass(eq=False)
 class RequestKV:
-    pages: list[int] = field(default_factory=list)
+    pages: np.ndarray = field(default_factory=_no_pages)     # int64 page ids, in token order
     cached_len: int = 0
 
 
@@ -18,9 +28,16 @@ class PageTable:
     def __init__(self, num_pages: int, page_size: int, max_context: int) -> None:
         self.page_size = page_size
         self.max_context = max_context
-        self.free_pages = list(range(num_pages - 1, 0, -1))  # pop() hands out low page ids first
+        # A stack: the top (the end) is handed out first, low page ids first.
+        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
+        self._top = num_pages - 1
         self.total_pages = num_pages - 1
         self.requests: dict[str, RequestKV] = {}
+
+    @property
+    def free_pages(self) -> list[int]:
+        """The free stack, bottom first (the last entry is handed out next)."""
+        return self._free[:self._top].tolist()
 
     @property
     def max_pages_per_request(self) -> int:
@@ -32,7 +49,7 @@ class PageTable:
 
     @property
     def tokens_free(self) -> int:
-        return len(self.free_pages) * self.page_size
+        return self._top * self.page_size
 
     def prefix_len(self, rid: str) -> int:
         state = self.requests.get(rid)
@@ -40,9 +57,8 @@ class PageTable:
 
     def pages_needed(self, rid: str, extend_len: int) -> int:
         state = self.requests.get(rid)
-        have = len(state.pages) if state else 0
-        total = self.prefix_len(rid) + extend_len
-        return max(0, -(-total // self.page_size) - have)
+        cached, have = (state.cached_len, len(state.pages)) if state else (0, 0)
+        return max(0, -(-(cached + extend_len) // self.page_size) - have)
 
     def check(self, rids: list[str], extend_lens: list[int]) -> None:
         """Raise RequestError for the first request that cannot fit; changes nothing."""
@@ -54,19 +70,19 @@ class PageTable:
             if total > self.max_context:
                 raise RequestError(f"request {rid!r}: {total} tokens exceed the context limit of {self.max_context}")
             need += max(0, -(-total // ps) - have)
-        if need > len(self.free_pages):
+        if need > self._top:
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
                                f"only {self.tokens_free} are free; release finished requests")
 
-    def allocate(self, rids: list[str], extend_lens: list[int]) -> list[list[int]]:
+    def allocate(self, rids: list[str], extend_lens: list[int]) -> list[np.ndarray]:
         """Grow each request's pages for its new tokens; returns the undo list of new pages per request."""
         added = []
         for rid, n in zip(rids, extend_lens):
             state = self.requests.setdefault(rid, RequestKV())
             k = self.pages_needed(rid, n)
-            new = self.free_pages[len(self.free_pages) - k:][::-1]   # what k pops would give, in one slice
-            del self.free_pages[len(self.free_pages) - k:]
-            state.pages.extend(new)
+            new = self._free[self._top - k:self._top][::-1].copy()     # the stack's top k, top first
+            self._top -= k
+            state.pages = np.concatenate((state.pages, new)) if len(state.pages) else new
             added.append(new)
         return added
 
@@ -74,20 +90,26 @@ class PageTable:
         for rid, n in zip(rids, extend_lens):
             self.requests[rid].cached_len += n
 
-    def rollback(self, rids: list[str], added: list[list[int]]) -> None:
-        """Undo ``allocate`` exactly, free-list order included (last request first)."""
+    def rollback(self, rids: list[str], added: list[np.ndarray]) -> None:
+        """Undo ``allocate`` exactly, free-stack order included (last request first)."""
         for rid, new in reversed(list(zip(rids, added))):
             state = self.requests[rid]
-            del state.pages[len(state.pages) - len(new):]
-            self.free_pages.extend(reversed(new))
-            if not state.pages and state.cached_len == 0:
+            state.pages = state.pages[:len(state.pages) - len(new)]
+            self._push(new)
+            if not len(state.pages) and state.cached_len == 0:
                 del self.requests[rid]
 
     def release(self, rid: str) -> None:
         state = self.requests.pop(rid, None)
         if state is None:
             raise RequestError(f"request {rid!r} is unknown: nothing to release")
-        self.free_pages.extend(reversed(state.pages))
+        self._push(state.pages)
 
-    def rows(self, rids: list[str]) -> list[list[int]]:
+    def _push(self, pages: np.ndarray) -> None:
+        """Return pages to the stack so that the first of them is handed out first again."""
+        k = len(pages)
+        self._free[self._top:self._top + k] = pages[::-1]
+        self._top += k
+
+    def rows(self, rids: list[str]) -> list[np.ndarray]:
         return [self.requests[rid].pages for rid in rids]

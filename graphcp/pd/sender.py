@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import torch
 
 from graphcp.errors import ConfigError, RequestError, TransferError
@@ -76,7 +77,7 @@ class KVSender:
         for layer in self.layers:
             for kv, pool in enumerate((self.pool.keys(layer), self.pool.values(layer))):
                 base = pool.data_ptr()
-                for i, page in enumerate(state.pages[:-(-n // ps)]):
+                for i, page in enumerate(np.asarray(state.pages)[:-(-n // ps)].tolist()):
                     tokens = range(i * ps, min(n, (i + 1) * ps))
                     if whole:
                         _append(src, dst, lengths, base + page * ps * local_row,

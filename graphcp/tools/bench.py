@@ -146,8 +146,9 @@ def run(argv: list[str]) -> int:
     print(report["table"])
     from graphcp.tools.host_prep import measure_host_prep
     prep = report["host_prep"] = measure_host_prep()
-    print(f"host prep per batch ({prep['case']}, planner + descriptor fill, no ranks): "
-          f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists")
+    print(f"host prep per batch ({prep['case']}, validate + plan + descriptor fill, no ranks): "
+          f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists; "
+          f"page allocation {prep['tensor']['allocate_us']:.0f} us")
     report["host_prep_us"] = prep["host_prep_us"]
     dsa = read_model_config(args.model_path).dsa
     if dsa is not None:        # the indexer's and the sparse attention's work per rank (interleave)
