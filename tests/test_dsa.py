@@ -167,8 +167,6 @@ def test_dsa_flags(v32):
         check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, dp_size=2))
     with pytest.raises(ConfigError, match="attention TP 1"):
         check_dsa_flags(EngineArgs(model_path=v32, tp_size=2))
-    with pytest.raises(ConfigError, match="--disaggregation-mode"):
-        check_dsa_flags(EngineArgs(model_path=v32, disaggregation_mode="prefill"))
     check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, **INTERLEAVE))
 
 

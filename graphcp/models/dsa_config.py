@@ -115,9 +115,6 @@ def check_dsa_flags(args) -> None:
                           "--dp x --attn-cp-size)")
     if args.pp_size > 1:
         raise ConfigError(f"--pp {args.pp_size}: DSA models need --pp 1")
-    if args.disaggregation_mode != "null":
-        raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode}: sending DSA caches to "
-                          "a decode worker is not supported yet")
     if args.enable_dsa_cache_layer_split:
         raise ConfigError("--enable-dsa-cache-layer-split is not supported with graphcp's DSA pool "
                           "yet")
