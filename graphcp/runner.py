@@ -36,6 +36,7 @@ from graphcp.models.config import check_expert_parallel
 from graphcp.models.dsa_config import check_dsa_flags
 from graphcp.models.moe import probe_experts
 from graphcp.models.layers import probe_layer_kernels
+from graphcp.pd.layer_split import LayerSplitDSAPool, LayerSplitPool
 from graphcp.pd.sender import start_sender
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range
@@ -79,21 +80,25 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token(len(self.layers), heads[1], cfg.head_dim, self.dtype)
         if cfg.dsa is not None:
             per_token = DSAPool.bytes_per_token(cfg, self.dtype)
+        split = args.enable_dsa_cache_layer_split       # PD LayerSplit: this CP rank's layers + a scratch layer
+        if split:
+            per_token = -(-per_token // args.cp_size)   # about 1/C of the layers per rank
         tokens = kv_tokens(args.max_total_tokens, per_token, self.device, par.ranks_per_device,
                            cfg.max_position_embeddings, args.max_batch_requests, args.page_size)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
         self.max_context = context_limit(cfg.max_position_embeddings, tokens, cfg.sliding_window, rank == 0)
-        pool_shape = (len(self.layers), num_pages, args.page_size, heads[1], cfg.head_dim, self.dtype, self.device)
+        cp_group = (par.groups.cp, par.cp_ranks, self.me.cp_rank)
         if cfg.dsa is not None:                   # MLA rows + indexer keys
             d = cfg.dsa
-            self.pool = DSAPool(cfg.num_hidden_layers, num_pages, args.page_size, d.kv_lora_rank,
-                                d.qk_rope_head_dim, d.index_head_dim, d.shared_indexer, self.dtype,
-                                self.device)
-        elif args.enable_dsa_cache_layer_split:  # PD LayerSplit: this CP rank's layers + one scratch layer
-            from graphcp.pd.layer_split import LayerSplitPool
-            self.pool = LayerSplitPool(*pool_shape, par.groups.cp, par.cp_ranks, self.me.cp_rank)
+            shape = (cfg.num_hidden_layers, num_pages, args.page_size, d.kv_lora_rank, d.qk_rope_head_dim,
+                     d.index_head_dim, d.shared_indexer, self.dtype, self.device)
+            self.pool = LayerSplitDSAPool(*shape, *cp_group) if split else DSAPool(*shape)
+        elif split:
+            shape = (len(self.layers), num_pages, args.page_size, heads[1], cfg.head_dim, self.dtype, self.device)
+            self.pool = LayerSplitPool(*shape, *cp_group)
         else:
-            self.pool = KVPool(*pool_shape, layer_offset=self.layers.start, write_kernel=kv_write_kernel(self.device))
+            self.pool = KVPool(len(self.layers), num_pages, args.page_size, heads[1], cfg.head_dim, self.dtype,
+                               self.device, layer_offset=self.layers.start, write_kernel=kv_write_kernel(self.device))
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, self.me.dp_rank, cfg.vocab_size,
                                num_pages, args.page_size, self.max_context, args.max_batch_requests)
         self.scale = cfg.head_dim ** -0.5

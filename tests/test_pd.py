@@ -219,8 +219,8 @@ def test_pd_bench_cli(checkpoint, tmp_path, capsys):
 
 def test_layer_split_matches_hf_and_holds_its_layers_only(ckpt_dir, engines, oracle):
     """--enable-dsa-cache-layer-split at CP=2 interleave: outputs and KV equal HF (a second chunk fetches the
-    prefix of the other rank's layers), each rank holds 2 of 4 layers plus one scratch layer, and each rank
-    sends its own layers."""
+    prefix of the other rank's layers), each rank holds 2 of 4 layers plus a scratch layer the size of the
+    largest batch (about 1/C of the unsplit pool), and each rank sends its own layers."""
     from hf_reference import make_checkpoint
     from parity import Session
     path = str(ckpt_dir / "qwen3-4layers")
@@ -234,7 +234,12 @@ def test_layer_split_matches_hf_and_holds_its_layers_only(ckpt_dir, engines, ora
     stats = engine.stats()
     slots = stats["kv_tokens_total"] + 16                                             # + the dummy page
     unsplit = 4 * 2 * slots * 2 * 32 * 4
-    assert stats["kv_bytes_per_rank"] == [unsplit * 3 // 4] * 2
+    # Each rank holds its 2 of 4 layers in full, and a scratch K/V layer grown to the largest batch seen:
+    # 7 pages (p's 5 + r's 1 + the dummy), at most half again (growth steps).
+    largest = 2 * (3 * 7 * 16 // 2) * 2 * 32 * 4
+    scratch = [b - unsplit // 2 for b in stats["kv_bytes_per_rank"]]
+    assert all(0 < s <= largest for s in scratch), (scratch, largest)
+    assert max(stats["kv_bytes_per_rank"]) / unsplit < 0.51                          # about 1/C
     with KVReceiver(path, max_tokens=128, max_requests=1) as rx:
         report = engine.transfer_kv("p", rx.destination("p"))
         assert report["ranks"] == 2 and report["bytes"] == 4 * 2 * 66 * 2 * 32 * 4

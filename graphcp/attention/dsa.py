@@ -94,16 +94,15 @@ class DSAAttention:
         self.attend_chunk = max(1, CHUNK_ELEMENTS // (min(keys, self.topk) * width))
         self.selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _select(self, q: torch.Tensor, weights: torch.Tensor,
-                keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                seq_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's top-k for every local query row, scored a chunk of rows at a time."""
         parts = []
         for start in range(0, q.shape[0], self.score_chunk):
             rows = slice(start, start + self.score_chunk)
             seq, limits = self.row_seq[rows], self.meta.q_limits[rows]
-            scores = self.kernels.indexer_scores(q[rows], weights[rows], keys, self.seq_slots, seq,
-                                                 limits)
-            parts.append(select_topk(scores, self.seq_slots, seq, limits, self.topk))
+            scores = self.kernels.indexer_scores(q[rows], weights[rows], keys, seq_slots, seq, limits)
+            parts.append(select_topk(scores, seq_slots, seq, limits, self.topk))
         if len(parts) == 1:
             return parts[0]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -119,16 +118,20 @@ class DSAAttention:
         """q [T, H, latent + rope] (absorbed), latent [T, C], k_rope [T, R], index (queries,
         weights, keys) or None on a shared layer -> latent outputs [T, H, C]."""
         meta, pool = self.meta, self.pool
+        pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
         pool.write(layer_id, meta.gather_slots, self._gather(torch.cat([latent, k_rope], dim=-1)))
         if index is not None:
             index_q, weights, index_k = index
             pool.write_index(layer_id, meta.gather_slots, self._gather(index_k))
+            seq_slots = pool.map_slots(layer_id, self.seq_slots)       # the layer's storage numbering
             with nvtx_range("dsa_indexer"):
-                self.selected = self._select(index_q, weights, pool.index_keys(layer_id))
+                selected, visible = self._select(index_q, weights, pool.index_keys(layer_id), seq_slots)
+            self.selected = (pool.unmap_slots(layer_id, selected), visible)   # kept in engine slots
         if self.selected is None:
             raise RuntimeError(f"layer {layer_id} reuses the previous top-k, but no layer before "
                                "it ran one")
         selected, visible = self.selected
+        selected = pool.map_slots(layer_id, selected)
         kv, step, parts = pool.latent_kv(layer_id), self.attend_chunk, []
         with nvtx_range("attention"):
             for start in range(0, q.shape[0], step):

@@ -74,7 +74,8 @@ class PagedAttention:
             pool.write(layer_id, meta.gather_slots, gathered[:, 0], gathered[:, 1])
         else:
             pool.write(layer_id, meta.gather_slots, k, v)
-        args = KernelArgs(q, pool.keys(layer_id), pool.values(layer_id), meta.cu_seqlens_q, meta.page_rows,
+        page_rows = pool.map_pages(layer_id, meta.page_rows)      # LayerSplit scratch pages
+        args = KernelArgs(q, pool.keys(layer_id), pool.values(layer_id), meta.cu_seqlens_q, page_rows,
                           meta.q_limits, torch.empty_like(q), pool.page_size, self.scale)
         if self.capturable:
             return _attend(self.kernel, args, self.host, capturable=True)

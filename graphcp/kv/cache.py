@@ -57,6 +57,10 @@ class KVPool:
     def prepare(self, layer: int) -> None:
         """Called before a layer's attention writes and reads the pool."""
 
+    def map_pages(self, layer: int, page_rows: torch.Tensor) -> torch.Tensor:
+        """Page-table rows in ``layer``'s storage numbering (the same unless LayerSplit scratch)."""
+        return page_rows
+
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

@@ -9,24 +9,26 @@ import torch
 class DSAPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
                  rope_dim: int, index_dim: int, shared_indexer: tuple[bool, ...],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, held: range | None = None) -> None:
         self.num_pages, self.page_size, self.kv_lora_rank = num_pages, page_size, kv_lora_rank
+        self.shared_indexer = shared_indexer
+        self.held = range(num_layers) if held is None else held    # LayerSplit keeps a range
         slots = num_pages * page_size
         width = kv_lora_rank + rope_dim
-        self.kv = torch.zeros(num_layers, slots, width, dtype=dtype, device=device)
-        indexed = [i for i in range(num_layers) if not shared_indexer[i]]
+        self.kv = torch.zeros(len(self.held), slots, width, dtype=dtype, device=device)
+        indexed = [i for i in self.held if not shared_indexer[i]]
         self.index_row = {layer: n for n, layer in enumerate(indexed)}   # layer -> indexer cache
         self.index_k = torch.zeros(len(indexed), slots, index_dim, dtype=dtype, device=device)
         self.device = self.kv.device
 
     def latent_kv(self, layer: int) -> torch.Tensor:
-        return self.kv[layer]
+        return self.kv[layer - self.held.start]
 
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.index_k[self.index_row[layer]]
 
     def write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.kv[layer].index_copy_(0, slots, rows)
+        self.latent_kv(layer).index_copy_(0, slots, rows)
 
     def write_index(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         self.index_keys(layer).index_copy_(0, slots, keys)
@@ -34,9 +36,9 @@ class DSAPool:
     def export(self, layer: int, slots: torch.Tensor) -> tuple:
         """(kv_latent [n, kv_lora_rank], k_rope [n, rope_dim], index_k [n, index_dim] or None),
         CPU fp32: the tensors HF keeps in its cache."""
-        rows = self.kv[layer].index_select(0, slots).float().cpu()
+        rows = self.latent_kv(layer).index_select(0, slots).float().cpu()
         index = None
-        if layer in self.index_row:
+        if not self.shared_indexer[layer]:
             index = self.index_keys(layer).index_select(0, slots).float().cpu()
         return rows[:, :self.kv_lora_rank], rows[:, self.kv_lora_rank:], index
 
@@ -46,6 +48,16 @@ class DSAPool:
 
     def begin_batch(self, rows: list[list[int]], prefix_lens: list[int]) -> None:
         """Nothing to prepare: every layer is held."""
+
+    def prepare(self, layer: int) -> None:
+        """Called before a layer's attention writes and reads the pool."""
+
+    def map_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Engine slots in ``layer``'s storage numbering (the same unless LayerSplit scratch)."""
+        return slots
+
+    def unmap_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return slots
 
     @property
     def nbytes(self) -> int:

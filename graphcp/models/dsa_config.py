@@ -115,6 +115,3 @@ def check_dsa_flags(args) -> None:
                           "--dp x --attn-cp-size)")
     if args.pp_size > 1:
         raise ConfigError(f"--pp {args.pp_size}: DSA models need --pp 1")
-    if args.enable_dsa_cache_layer_split:
-        raise ConfigError("--enable-dsa-cache-layer-split is not supported with graphcp's DSA pool "
-                          "yet")
