@@ -1,0 +1,37 @@
+"""LayerSplit's scratch numbering: a batch's pages renumbered 1..n (the dummy page stays 0), both ways, and
+the cached-prefix slots the owners broadcast. The engine-level parity tests are in test_pd.py and
+test_pd_dsa.py."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphcp.pd.layer_split import ScratchPages, _grown
+
+
+def test_scratch_renumbers_the_batch_pages_and_back():
+    scratch = ScratchPages(num_pages=12, page_size=4, device=torch.device("cpu"))
+    rows = [np.array([9, 3]), np.array([5, 11, 7])]           # two requests' page rows, scattered
+    scratch.begin(rows, prefix_lens=[5, 0])
+    assert scratch.pages == 6                                  # 5 pages + the dummy page
+    assert scratch.to_global.tolist() == [0, 3, 5, 7, 9, 11]
+    # Request 0 has a 5-token prefix: page 9 whole, then the first slot of page 3.
+    assert scratch.prefix_slots.tolist() == [36, 37, 38, 39, 12]
+    slots = torch.tensor([0, 36, 39, 12, 45, 28])              # dummy slot, then pages 9, 9, 3, 11, 7
+    mapped = scratch.map_slots(slots)
+    assert mapped.tolist() == [0, 16, 19, 4, 21, 12]
+    assert scratch.map_slots(slots) is mapped                  # the forward's tensors map once per batch
+    assert scratch.unmap_slots(mapped).equal(slots)
+    page_rows = torch.tensor([[9, 3, 0], [5, 11, 7]])          # a page table padded with the dummy page
+    assert scratch.map_pages(page_rows).tolist() == [[4, 1, 0], [2, 5, 3]]
+    # The next batch starts afresh: old pages map to the dummy page, no stale cache entries.
+    scratch.begin([np.array([3])], prefix_lens=[0])
+    assert scratch.pages == 2 and scratch.prefix_slots.numel() == 0
+    assert scratch.map_slots(slots).tolist() == [0, 0, 3, 4, 1, 0]
+
+
+def test_scratch_grows_to_the_largest_batch_only():
+    t = torch.ones(8, 3)
+    assert _grown(t, 8) is t
+    assert _grown(t, 9).shape == (12, 3)                       # half again, not one slot at a time
+    assert _grown(t, 40).shape == (40, 3)
