@@ -38,7 +38,7 @@ def pd_bench(args: EngineArgs, lengths: list[int], reps: int = 5, seed: int = 0)
                 wait = time.perf_counter() - start
                 if rep == 0:
                     ours = engine.kv_cache(rid)
-                    if any(not (k.equal(rk) and v.equal(rv)) for (k, v), (rk, rv) in zip(receiver.kv(rid), ours)):
+                    if not all(_same(got, mine) for got, mine in zip(receiver.kv(rid), ours, strict=True)):
                         raise RuntimeError(f"pd-bench: the received KV of {rid!r} differs from the engine's cache")
                 else:
                     waits.append(wait)
@@ -49,7 +49,14 @@ def pd_bench(args: EngineArgs, lengths: list[int], reps: int = 5, seed: int = 0)
             rows.append({"tokens": n, "bytes": sent["bytes"], "sending_ranks": sent["ranks"],
                          "prefill_end_to_received_ms": 1e3 * statistics.median(waits),
                          "rank_write_ms": 1e3 * statistics.median(sends), "gb_per_s": statistics.median(rates)})
-    return {"protocol": args.resolved_transfer_protocol(), "reps": reps, "cases": rows}
+        held = engine.stats()["kv_bytes_per_rank"]
+    return {"protocol": args.resolved_transfer_protocol(), "reps": reps, "cases": rows, "kv_bytes_per_rank": held}
+
+
+def _same(got: tuple, ours: tuple) -> bool:
+    """One layer's received tensors equal the engine's (dense: K, V; DSA: latent, rope, indexer keys or None)."""
+    return all((a is None and b is None) or (a is not None and b is not None and a.equal(b))
+               for a, b in zip(got, ours, strict=True))
 
 
 def run(argv: list[str]) -> int:
@@ -70,6 +77,9 @@ def run(argv: list[str]) -> int:
     for c in report["cases"]:
         print(f"{c['tokens']:>7} {c['bytes'] / 2**20:>8.2f} {c['sending_ranks']:>5} "
               f"{c['prefill_end_to_received_ms']:>27.2f} {c['rank_write_ms']:>15.2f} {c['gb_per_s']:>6.2f}")
+    held = report["kv_bytes_per_rank"]
+    split = " (--enable-dsa-cache-layer-split)" if args.enable_dsa_cache_layer_split else ""
+    print(f"KV cache bytes held per rank{split}: " + ", ".join(f"{b / 2**20:.2f} MiB" for b in held))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(report | {"config": args.to_dict()}, f, indent=2)
