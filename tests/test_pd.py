@@ -176,6 +176,7 @@ def test_senders_split_heads_layers_and_pages(checkpoint):
     import torch
 
     from graphcp.kv import KVPool, RequestKV
+    from graphcp.models import read_model_config
     from graphcp.pd.sender import KVSender
     layers, heads, head_dim, page = 2, 2, 32, 4
     tokens = 11
@@ -189,8 +190,8 @@ def test_senders_split_heads_layers_and_pages(checkpoint):
             pool = KVPool(1, 8, page, 1, head_dim, torch.float32, torch.device("cpu"), layer_offset=stage)
             pool.write(stage, slots, k_full[stage, tp_rank:tp_rank + 1].transpose(0, 1),
                        v_full[stage, tp_rank:tp_rank + 1].transpose(0, 1))
-            senders.append(KVSender(pool, range(stage, stage + 1), layers, heads, cp_size=1, cp_rank=0,
-                                    attn_tp_rank=tp_rank, protocol="tcp", timeout_s=TIMEOUT_S))
+            senders.append(KVSender(pool, read_model_config(checkpoint), range(stage, stage + 1), cp_size=1,
+                                    cp_rank=0, attn_tp_rank=tp_rank, protocol="tcp", timeout_s=TIMEOUT_S))
     with KVReceiver(checkpoint, max_tokens=16, max_requests=1) as rx:
         destination = rx.destination("s")
         for i, sender in enumerate(senders):

@@ -46,6 +46,14 @@ class KVPool:
         k, v = self.read(layer, slots)
         return k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()
 
+    # -- what a PD sender reads (graphcp/pd/sender.py): rows [slots, ...], one token each -----------------
+    def transfer_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
+        return self.keys(layer), self.values(layer)
+
+    def registered(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a sender registers with its transfer engine: every part lies in one of them."""
+        return self.k, self.v
+
     # -- hooks for pools that do not hold every layer (graphcp/pd/layer_split.py) ---------------------
     def held_layers(self, stage_layers: range) -> range:
         """The layers whose cache this pool keeps between batches."""

@@ -42,6 +42,16 @@ class DSAPool:
             index = self.index_keys(layer).index_select(0, slots).float().cpu()
         return rows[:, :self.kv_lora_rank], rows[:, self.kv_lora_rank:], index
 
+    # -- what a PD sender reads, as KVPool's ---------------------------------------------------
+    def transfer_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The MLA rows, then the indexer keys on a layer with its own indexer."""
+        if layer in self.index_row:
+            return self.latent_kv(layer), self.index_keys(layer)
+        return (self.latent_kv(layer),)
+
+    def registered(self) -> tuple[torch.Tensor, ...]:
+        return self.kv, self.index_k
+
     # -- the KVPool hooks the runner calls -----------------------------------------------------
     def held_layers(self, stage_layers: range) -> range:
         return stage_layers

@@ -1,37 +1,51 @@
 """Where a request's KV lands in a receiver's buffer: the contract between KVReceiver and KVSender.
 
 One receive slot per request: an int64 header ``[num_layers][num_kv_heads]`` (tokens written for each
-layer and head, set by each sender after its data), then the data ``[num_layers][2 (k, v)][max_tokens]
-[num_kv_heads][head_dim]``. Token-major rows make one page of the sender's pool (``[page_size, heads,
-head_dim]``) one contiguous write when a sender holds every head.
+layer and header column, set by each sender after its data), then per layer each of its parts as
+``[max_tokens][width]`` token-major rows, a part's ``width`` being the elements of one token's row:
+dense models two parts, K and V, of ``num_kv_heads * head_dim`` (one header column per KV head, so
+attention-TP ranks each mark their heads); DSA models the MLA row ``[kv_latent | k_rope]`` (``head_dim``
+wide, one header column) plus, on layers with their own indexer, the indexer keys. Token-major rows make
+one page of the sender's pool one contiguous write when a sender holds the whole row.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 
 import torch
 
 from graphcp.errors import RequestError
+from graphcp.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KINDS = ("mha", "dsa")
 
 
 @dataclass(frozen=True)
 class SlotLayout:
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int                 # header columns per layer (DSA: 1, the one latent "head")
+    head_dim: int                     # one column's width (DSA: kv_lora_rank + rope_dim)
     max_tokens: int
     dtype: str
+    kind: str = "mha"
+    kv_lora_rank: int = 0             # DSA: where the latent ends and the rope part starts in the MLA row
+    parts: tuple[tuple[int, ...], ...] = ()     # per layer, each part's row width in elements
 
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
-    @property
-    def token_bytes(self) -> int:
-        """One token's row of one layer's K (or V): every head."""
-        return self.num_kv_heads * self.head_dim * self.element_size
+    @cached_property
+    def part_bases(self) -> tuple[tuple[int, ...], ...]:
+        """Byte offset in the data where each layer's part starts."""
+        bases, offset = [], 0
+        for widths in self.parts:
+            bases.append(tuple(offset + sum(widths[:i]) * self.max_tokens * self.element_size
+                               for i in range(len(widths))))
+            offset += sum(widths) * self.max_tokens * self.element_size
+        return tuple(bases)
 
     @property
     def header_bytes(self) -> int:
@@ -39,23 +53,41 @@ class SlotLayout:
 
     @property
     def data_bytes(self) -> int:
-        return self.num_layers * 2 * self.max_tokens * self.token_bytes
+        return sum(map(sum, self.parts)) * self.max_tokens * self.element_size
 
     @property
     def slot_bytes(self) -> int:
         return self.header_bytes + self.data_bytes
 
-    def row_offset(self, layer: int, kv: int, token: int, head: int = 0) -> int:
-        """Byte offset in the data of (layer, k=0/v=1, token, head)."""
-        row = (layer * 2 + kv) * self.max_tokens + token
-        return row * self.token_bytes + head * self.head_dim * self.element_size
+    def row_bytes(self, layer: int, part: int) -> int:
+        return self.parts[layer][part] * self.element_size
 
-    def header_offset(self, layer: int, head: int) -> int:
-        return (layer * self.num_kv_heads + head) * 8
+    def row_offset(self, layer: int, part: int, token: int, column: int = 0) -> int:
+        """Byte offset in the data of (layer, part, token, header column)."""
+        row = self.row_bytes(layer, part)
+        return self.part_bases[layer][part] + token * row + column * (row // self.num_kv_heads)
+
+    def header_offset(self, layer: int, column: int) -> int:
+        return (layer * self.num_kv_heads + column) * 8
+
+
+def layout_for(cfg: ModelConfig, max_tokens: int, dtype: str) -> SlotLayout:
+    """The layout of a model (``graphcp.models.read_model_config``): dense K/V, or DSA's MLA rows and
+    indexer keys (none on a "shared" layer)."""
+    d = cfg.dsa
+    if d is None:
+        width = cfg.num_key_value_heads * cfg.head_dim
+        return SlotLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_tokens, dtype, "mha",
+                          0, ((width, width),) * cfg.num_hidden_layers)
+    width = d.kv_lora_rank + d.qk_rope_head_dim
+    parts = tuple((width,) if shared else (width, d.index_head_dim) for shared in d.shared_indexer)
+    return SlotLayout(cfg.num_hidden_layers, 1, width, max_tokens, dtype, "dsa", d.kv_lora_rank, parts)
 
 
 def destination_dict(rid: str, session: str, protocol: str, layout: SlotLayout, slot_addr: int) -> dict:
-    return {"rid": rid, "session": session, "protocol": protocol, **asdict(layout),
+    fields_ = asdict(layout)
+    fields_["parts"] = [list(widths) for widths in layout.parts]      # JSON-able as it is
+    return {"rid": rid, "session": session, "protocol": protocol, **fields_,
             "header_addr": slot_addr, "data_addr": slot_addr + layout.header_bytes}
 
 
@@ -64,20 +96,26 @@ def parse_destination(rid: str, destination: object) -> tuple[SlotLayout, dict]:
     if not isinstance(destination, dict):
         raise RequestError(f"request {rid!r}: destination must be the dict KVReceiver.destination() returns, "
                            f"got {type(destination).__name__}")
-    for key in ("rid", "session", "protocol", "dtype", "header_addr", "data_addr", "num_layers", "num_kv_heads",
-                "head_dim", "max_tokens"):
+    names = [f.name for f in fields(SlotLayout)]
+    for key in ("rid", "session", "protocol", "header_addr", "data_addr", *names):
         if key not in destination:
             raise RequestError(f"request {rid!r}: destination has no {key!r} key")
     if destination["rid"] != rid:
         raise RequestError(f"request {rid!r}: destination['rid'] is {destination['rid']!r}; ask the receiver for "
                            f"destination({rid!r})")
-    if destination["dtype"] not in DTYPES:
-        raise RequestError(f"request {rid!r}: destination['dtype'] {destination['dtype']!r} is not one of "
-                           f"{', '.join(DTYPES)}")
-    for key in ("header_addr", "data_addr", "num_layers", "num_kv_heads", "head_dim", "max_tokens"):
-        if not isinstance(destination[key], int) or destination[key] < 1:
-            raise RequestError(f"request {rid!r}: destination[{key!r}] must be a positive integer, "
-                               f"got {destination[key]!r}")
-    layout = SlotLayout(destination["num_layers"], destination["num_kv_heads"], destination["head_dim"],
-                        destination["max_tokens"], destination["dtype"])
-    return layout, destination
+    for key, allowed in (("dtype", DTYPES), ("kind", KINDS)):
+        if destination[key] not in allowed:
+            raise RequestError(f"request {rid!r}: destination[{key!r}] {destination[key]!r} is not one of "
+                               f"{', '.join(allowed)}")
+    for key in ("header_addr", "data_addr", "num_layers", "num_kv_heads", "head_dim", "max_tokens", "kv_lora_rank"):
+        if not isinstance(destination[key], int) or destination[key] < (key != "kv_lora_rank"):
+            least = "an integer >= 0" if key == "kv_lora_rank" else "a positive integer"
+            raise RequestError(f"request {rid!r}: destination[{key!r}] must be {least}, got {destination[key]!r}")
+    parts = destination["parts"]
+    if (not isinstance(parts, (list, tuple)) or len(parts) != destination["num_layers"]
+            or not all(isinstance(p, (list, tuple)) and p and all(isinstance(w, int) and w > 0 for w in p)
+                       for p in parts)):
+        raise RequestError(f"request {rid!r}: destination['parts'] must hold, for each of the "
+                           f"{destination['num_layers']} layers, a list of positive row widths")
+    values = {**{key: destination[key] for key in names}, "parts": tuple(tuple(p) for p in parts)}
+    return SlotLayout(**values), destination

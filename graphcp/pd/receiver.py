@@ -20,9 +20,8 @@ import torch
 from graphcp.dist.procs import child_env
 from graphcp.errors import ConfigError, RequestError, TransferError
 from graphcp.models import read_model_config
-from graphcp.pd.layout import DTYPES, SlotLayout, destination_dict
+from graphcp.pd.layout import DTYPES, SlotLayout, destination_dict, layout_for
 from graphcp.pd.mooncake import READY, transfer_engine_class
-
 
 
 class KVReceiver:
@@ -40,7 +39,7 @@ class KVReceiver:
             raise ConfigError(f"KVReceiver protocol {protocol!r} is not one of: tcp, rdma")
         transfer_engine_class()                                  # a clear error here, not in the child
         cfg = read_model_config(model_path)
-        self.layout = SlotLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_tokens, dtype)
+        self.layout = layout_for(cfg, max_tokens, dtype)
         self.protocol, self.max_requests = protocol, max_requests
         self._slots: dict[str, int] = {}
         self._proc = None
@@ -91,8 +90,9 @@ class KVReceiver:
         addr = self._remote_base + slot * self.layout.slot_bytes
         return destination_dict(rid, self.session, self.protocol, self.layout, addr)
 
-    def kv(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The received cache in ``engine.kv_cache`` format: per layer (k, v) [num_kv_heads, len, head_dim]."""
+    def kv(self, rid: str) -> list[tuple]:
+        """The received cache in ``engine.kv_cache`` format: per layer (k, v) [num_kv_heads, len, head_dim]
+        (dense), or (kv_latent, k_rope, index_k or None) [len, dim] (DSA); fp32."""
         self._check_open()
         if rid not in self._slots:
             raise RequestError(f"request {rid!r}: no destination was reserved for it on this receiver")
@@ -104,11 +104,16 @@ class KVReceiver:
             raise TransferError(f"request {rid!r}: KV incomplete on the receiver ((layer, head) "
                                 f"{missing or 'all'} without {n or 'any'} tokens)")
         lay = self.layout
-        start = slot * lay.slot_bytes + lay.header_bytes
-        data = self._buffer[start:start + lay.data_bytes].view(DTYPES[lay.dtype])
-        data = data.view(lay.num_layers, 2, lay.max_tokens, lay.num_kv_heads, lay.head_dim)[:, :, :n]
-        return [(data[i, 0].transpose(0, 1).float().clone(), data[i, 1].transpose(0, 1).float().clone())
-                for i in range(lay.num_layers)]
+        data = slot * lay.slot_bytes + lay.header_bytes
+        out = []
+        for layer, widths in enumerate(lay.parts):
+            parts = []
+            for part, width in enumerate(widths):
+                start = data + lay.part_bases[layer][part]
+                rows = self._buffer[start:start + n * width * lay.element_size].view(DTYPES[lay.dtype])
+                parts.append(rows.view(n, width).float().clone())
+            out.append(_engine_format(lay, parts, n))
+        return out
 
     def free(self, rid: str) -> None:
         if self._slots.pop(rid, None) is None:
@@ -152,3 +157,12 @@ class KVReceiver:
     def __del__(self) -> None:
         if getattr(self, "_proc", None) is not None:
             self.close()
+
+
+def _engine_format(layout: SlotLayout, parts: list[torch.Tensor], n: int) -> tuple:
+    """One layer's received rows [n, width] as ``engine.kv_cache`` gives them."""
+    if layout.kind == "dsa":
+        rows, index = parts[0], parts[1] if len(parts) > 1 else None
+        return rows[:, :layout.kv_lora_rank], rows[:, layout.kv_lora_rank:], index
+    k, v = (p.view(n, layout.num_kv_heads, layout.head_dim).transpose(0, 1) for p in parts)
+    return k, v

@@ -3,37 +3,47 @@ share of a request's cache from the pool pages in place into the receiver's slot
 
 Who sends what: every CP rank holds the whole (all-gathered) cache of its attention-TP heads, so a pipeline
 stage's layers are split over its CP ranks, which send in parallel; attention-TP ranks send their heads;
-only the DP group holding the request sends. Each rank writes its data, then its part of the slot header
+only the DP group holding the request sends. A layer's parts are the pool's (dense: K and V; DSA: the MLA
+rows and, on indexed layers, the indexer keys). Each rank writes its data, then its part of the slot header
 (tokens written per layer and head): the receiver sees a request whole only when every part has arrived.
 """
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import fields, replace
 
 import numpy as np
 import torch
 
 from graphcp.errors import ConfigError, RequestError, TransferError
 from graphcp.kv.cache import KVPool
+from graphcp.kv.dsa_cache import DSAPool
 from graphcp.kv.pages import RequestKV
+from graphcp.models.config import ModelConfig
 from graphcp.models.parallel import shard_range
-from graphcp.pd.layout import DTYPES, SlotLayout, parse_destination
+from graphcp.pd.layout import DTYPES, SlotLayout, layout_for, parse_destination
 from graphcp.pd.mooncake import start_engine
 
 
 class KVSender:
-    def __init__(self, pool: KVPool, stage_layers: range, num_layers: int, num_kv_heads: int, cp_size: int,
+    """``pool`` gives each layer's parts (``transfer_parts``) and the memory to register (``registered``),
+    dense or DSA alike; ``model_config`` (``read_model_config``) gives the layout the destination must have."""
+
+    def __init__(self, pool: KVPool | DSAPool, model_config: ModelConfig, stage_layers: range, cp_size: int,
                  cp_rank: int, attn_tp_rank: int, protocol: str, timeout_s: float) -> None:
         self.pool, self.protocol, self.timeout_s = pool, protocol, timeout_s
-        self.model = (num_layers, num_kv_heads, pool.k.shape[-1], _dtype_name(pool.k.dtype))
+        registered = [t for t in pool.registered() if t.numel()]       # a DSA model may index no layer
+        self.model = layout_for(model_config, 1, _dtype_name(registered[0].dtype))
         start, end = shard_range(len(stage_layers), cp_size, cp_rank)
         self.layers = range(stage_layers.start + start, stage_layers.start + end)
-        local_heads = pool.k.shape[2]
-        self.heads = range(attn_tp_rank * local_heads, (attn_tp_rank + 1) * local_heads)
+        # Header columns this rank marks: the KV heads of its attention-TP rank (dense), the one MLA row (DSA).
+        first = pool.transfer_parts(stage_layers.start)[0]
+        columns = _row_bytes(first) * self.model.num_kv_heads // self.model.row_bytes(stage_layers.start, 0)
+        self.columns = range(attn_tp_rank * columns, (attn_tp_rank + 1) * columns)
         self.engine = start_engine(protocol, timeout_s=timeout_s)
-        self.header = torch.zeros(max(1, len(self.layers)), local_heads, dtype=torch.int64)
-        for t in (pool.k, pool.v, self.header):
+        self.header = torch.zeros(max(1, len(self.layers)), columns, dtype=torch.int64)
+        for t in (*registered, self.header):
             if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
                 raise ConfigError(f"--disaggregation-mode prefill: Mooncake could not register "
                                   f"{t.numel() * t.element_size()} bytes of KV pool memory")
@@ -49,17 +59,18 @@ class KVSender:
         self._write(rid, dest["session"], src, dst, lengths, "KV pages")
         self.header.fill_(state.cached_len)
         row = self.header.shape[1] * 8
-        heads = [(self.header.data_ptr() + i * row, dest["header_addr"] + layout.header_offset(layer, self.heads[0]))
+        marks = [(self.header.data_ptr() + i * row, dest["header_addr"] + layout.header_offset(layer, self.columns[0]))
                  for i, layer in enumerate(self.layers)]
-        self._write(rid, dest["session"], [s for s, _ in heads], [d for _, d in heads], [row] * len(heads), "header")
+        self._write(rid, dest["session"], [s for s, _ in marks], [d for _, d in marks], [row] * len(marks), "header")
         return {"bytes": sum(lengths), "seconds": time.perf_counter() - start}
 
     def _check(self, rid: str, layout: SlotLayout, dest: dict, cached_len: int) -> None:
-        theirs = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
-        for key, mine, their in zip(("num_layers", "num_kv_heads", "head_dim", "dtype"), self.model, theirs):
-            if mine != their:
-                raise RequestError(f"request {rid!r}: destination[{key!r}] is {their!r}, the engine's model has "
-                                   f"{mine!r}; the receiver must load the same checkpoint (and dtype)")
+        """The destination's layout is the engine's model's (but for max_tokens), key by key."""
+        mine = replace(self.model, max_tokens=layout.max_tokens)
+        for key in (f.name for f in fields(SlotLayout)):
+            if getattr(mine, key) != getattr(layout, key):
+                raise RequestError(f"request {rid!r}: destination[{key!r}] is {dest[key]!r}, the engine's model has "
+                                   f"{getattr(mine, key)!r}; the receiver must load the same checkpoint (and dtype)")
         if dest["protocol"] != self.protocol:
             raise RequestError(f"request {rid!r}: destination['protocol'] is {dest['protocol']!r}, the engine sends "
                                f"over {self.protocol!r} (--disaggregation-transfer-protocol)")
@@ -68,24 +79,24 @@ class KVSender:
                                f"{layout.max_tokens}")
 
     def _writes(self, layout: SlotLayout, data_addr: int, state: RequestKV) -> tuple[list, list, list]:
-        """(source, target, length) of every write, read in place from the pool's pages; a page is one
-        write when this rank holds every head, else one write per token (its heads of the row)."""
+        """(source, target, length) of every write, read in place from the pool's pages; a page of a part
+        is one write when this rank holds the whole row, else one write per token (its heads of the row)."""
         ps, n = self.pool.page_size, state.cached_len
-        local_row = self.pool.k.shape[2] * self.pool.k.shape[3] * self.pool.k.element_size()
-        whole = local_row == layout.token_bytes
+        pages = np.asarray(state.pages)[:-(-n // ps)].tolist()
         src, dst, lengths = [], [], []
         for layer in self.layers:
-            for kv, pool in enumerate((self.pool.keys(layer), self.pool.values(layer))):
-                base = pool.data_ptr()
-                for i, page in enumerate(np.asarray(state.pages)[:-(-n // ps)].tolist()):
+            for part, rows in enumerate(self.pool.transfer_parts(layer)):
+                base, local_row = rows.data_ptr(), _row_bytes(rows)
+                whole = local_row == layout.row_bytes(layer, part)
+                for i, page in enumerate(pages):
                     tokens = range(i * ps, min(n, (i + 1) * ps))
                     if whole:
                         _append(src, dst, lengths, base + page * ps * local_row,
-                                data_addr + layout.row_offset(layer, kv, tokens.start), len(tokens) * local_row)
+                                data_addr + layout.row_offset(layer, part, tokens.start), len(tokens) * local_row)
                         continue
                     for j, t in enumerate(tokens):
                         _append(src, dst, lengths, base + (page * ps + j) * local_row,
-                                data_addr + layout.row_offset(layer, kv, t, self.heads[0]), local_row)
+                                data_addr + layout.row_offset(layer, part, t, self.columns[0]), local_row)
         return src, dst, lengths
 
     def _write(self, rid: str, session: str, src: list, dst: list, lengths: list, what: str) -> None:
@@ -117,6 +128,11 @@ def _append(src: list, dst: list, lengths: list, s: int, d: int, n: int) -> None
     lengths.append(n)
 
 
+def _row_bytes(rows: torch.Tensor) -> int:
+    """One token's row of a part [slots, ...]."""
+    return rows[0].numel() * rows.element_size()
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
@@ -126,10 +142,8 @@ def start_sender(runner) -> KVSender | None:  # noqa: ANN001
     args = runner.args
     if args.disaggregation_mode != "prefill":
         return None
-    cfg = runner.model_config
-    return KVSender(runner.pool, runner.layers, cfg.num_hidden_layers, cfg.num_key_value_heads, args.cp_size,
-                    runner.me.cp_rank, runner.me.attn_tp_rank, args.resolved_transfer_protocol(),
-                    args.disaggregation_transfer_timeout_s)
+    return KVSender(runner.pool, runner.model_config, runner.layers, args.cp_size, runner.me.cp_rank,
+                    runner.me.attn_tp_rank, args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s)
 
 
 def transfer_kv(runner, rid: str, destination: dict) -> dict | None:  # noqa: ANN001

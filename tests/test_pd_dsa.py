@@ -1,0 +1,101 @@
+"""PD transfer of DSA caches: a GLM-5-like model (a "shared" middle layer without its own indexer cache) at
+interleave CP 2 in prefill mode sends per layer the MLA rows and, on indexed layers, the indexer keys over
+Mooncake (tcp on 127.0.0.1); the receiver's copy equals HF's cache and the engine's own, also after a second
+chunk, and a destination laid out for another model is refused naming the key."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")        # as graphcp sets it before its own import of mooncake
+pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is not importable: pip install "
+                    "'graphcp[pd]' and apt-get install libibverbs1 librdmacm1 libnuma1 (README, PD section)")
+
+from hf_reference import rel_err
+from parity import TOL, random_ids
+from test_dsa import INTERLEAVE, VOCAB, DSAOracle, make_dsa_checkpoint
+
+from graphcp import Request, RequestError
+from graphcp.pd import KVReceiver
+
+ROW, INDEX = 32 + 16, 32              # kv_lora_rank + qk_rope_head_dim, index_head_dim
+INDEXED = (True, False, True)         # indexer_types full, shared, full
+
+
+@pytest.fixture(scope="module")
+def glm5(ckpt_dir):
+    path = str(ckpt_dir / "glm5")
+    if not os.path.isdir(path):
+        make_dsa_checkpoint(path, "GlmMoeDsa", seed=22, n_group=1, topk_group=1,
+                            mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full", "shared", "full"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def pd_engine(glm5, engines):
+    return engines.get(glm5, tp_size=2, attn_cp_size=2, **INTERLEAVE, disaggregation_mode="prefill",
+                       disaggregation_transfer_timeout_s=2.0)
+
+
+def _dsa_bytes(tokens: int) -> int:
+    return tokens * (len(INDEXED) * ROW + sum(INDEXED) * INDEX) * 4          # fp32
+
+
+def _transfer_and_check(engine, rx, oracle, path: str, rid: str, history: list[int]) -> float:
+    """Send ``rid`` (its destination through JSON, as a decode worker would pass it); the received cache
+    equals HF's for the whole history and the engine's own bitwise. Returns the worst rel err."""
+    report = engine.transfer_kv(rid, json.loads(json.dumps(rx.destination(rid))))
+    assert report["bytes"] == _dsa_bytes(len(history)) and report["ranks"] == 2     # each CP rank its layers
+    got, ours = rx.kv(rid), engine.kv_cache(rid)
+    _, ref = oracle(path, history)
+    assert len(got) == len(ref) == len(ours) == len(INDEXED)
+    worst = 0.0
+    for layer, (mine, theirs, pool) in enumerate(zip(got, ref, ours)):
+        assert (mine[2] is not None) == (theirs[2] is not None) == INDEXED[layer], f"{rid} layer {layer}"
+        assert mine[0].shape == (len(history), 32) and mine[1].shape == (len(history), 16)
+        for a, b, c in zip(mine, theirs, pool):
+            if b is None:
+                continue
+            assert a.shape == b.shape and a.equal(c), f"{rid} layer {layer}: received cache differs from the pool"
+            worst = max(worst, rel_err(a, b))
+    assert worst <= TOL, f"{rid}: received DSA cache rel err {worst:.2e} against HF"
+    return worst
+
+
+def test_dsa_transfer_matches_hf_with_a_second_chunk(pd_engine, glm5):
+    oracle = DSAOracle()
+    history = {"a": random_ids(37, VOCAB, 1), "b": random_ids(24, VOCAB, 2)}
+    with KVReceiver(glm5, max_tokens=128, max_requests=2) as rx:
+        assert rx.destination("a")["kind"] == "dsa" and rx.destination("a")["kv_lora_rank"] == 32
+        out = pd_engine.prefill([Request(rid, ids) for rid, ids in history.items()])
+        assert out.cp_applied
+        worst = max(_transfer_and_check(pd_engine, rx, oracle, glm5, rid, ids) for rid, ids in history.items())
+        # A later chunk extends "a"; the new transfer carries its whole cache again.
+        chunk = random_ids(21, VOCAB, 3)
+        assert pd_engine.prefill([Request("a", chunk)]).cp_applied
+        history["a"] += chunk
+        worst = max(worst, _transfer_and_check(pd_engine, rx, oracle, glm5, "a", history["a"]))
+        print(f"worst rel err {worst:.2e}")
+        for rid in history:
+            pd_engine.release(rid)
+            rx.free(rid)
+    stats = pd_engine.stats()
+    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]
+
+
+def test_dsa_transfer_refuses_another_layout(pd_engine, glm5, checkpoint):
+    """A dense model's destination, or a DSA one whose kind or parts differ, names the differing key."""
+    pd_engine.prefill([Request("m", random_ids(20, VOCAB, 4))])
+    with (KVReceiver(checkpoint, max_tokens=64, max_requests=1) as dense,
+          pytest.raises(RequestError, match=r"'m': destination\['num_layers'\]")):
+        pd_engine.transfer_kv("m", dense.destination("m"))
+    with KVReceiver(glm5, max_tokens=64, max_requests=1) as rx:
+        destination = rx.destination("m")
+        with pytest.raises(RequestError, match=r"destination\['kind'\]"):
+            pd_engine.transfer_kv("m", {**destination, "kind": "mha"})
+        with pytest.raises(RequestError, match=r"destination\['parts'\]"):
+            pd_engine.transfer_kv("m", {**destination, "parts": [[ROW, INDEX]] * 3})     # every layer indexed
+        rx.free("m")
+    pd_engine.release("m")
