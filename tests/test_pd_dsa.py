@@ -39,21 +39,22 @@ def pd_engine(glm5, engines):
                        disaggregation_transfer_timeout_s=2.0)
 
 
-def _dsa_bytes(tokens: int) -> int:
-    return tokens * (len(INDEXED) * ROW + sum(INDEXED) * INDEX) * 4          # fp32
+def _dsa_bytes(tokens: int, indexed: tuple[bool, ...] = INDEXED) -> int:
+    return tokens * (len(indexed) * ROW + sum(indexed) * INDEX) * 4          # fp32
 
 
-def _transfer_and_check(engine, rx, oracle, path: str, rid: str, history: list[int]) -> float:
+def _transfer_and_check(engine, rx, oracle, path: str, rid: str, history: list[int],
+                        indexed: tuple[bool, ...] = INDEXED) -> float:
     """Send ``rid`` (its destination through JSON, as a decode worker would pass it); the received cache
     equals HF's for the whole history and the engine's own bitwise. Returns the worst rel err."""
     report = engine.transfer_kv(rid, json.loads(json.dumps(rx.destination(rid))))
-    assert report["bytes"] == _dsa_bytes(len(history)) and report["ranks"] == 2     # each CP rank its layers
+    assert report["bytes"] == _dsa_bytes(len(history), indexed) and report["ranks"] == 2   # each CP rank its layers
     got, ours = rx.kv(rid), engine.kv_cache(rid)
     _, ref = oracle(path, history)
-    assert len(got) == len(ref) == len(ours) == len(INDEXED)
+    assert len(got) == len(ref) == len(ours) == len(indexed)
     worst = 0.0
     for layer, (mine, theirs, pool) in enumerate(zip(got, ref, ours)):
-        assert (mine[2] is not None) == (theirs[2] is not None) == INDEXED[layer], f"{rid} layer {layer}"
+        assert (mine[2] is not None) == (theirs[2] is not None) == indexed[layer], f"{rid} layer {layer}"
         assert mine[0].shape == (len(history), 32) and mine[1].shape == (len(history), 16)
         for a, b, c in zip(mine, theirs, pool):
             if b is None:
@@ -99,3 +100,56 @@ def test_dsa_transfer_refuses_another_layout(pd_engine, glm5, checkpoint):
             pd_engine.transfer_kv("m", {**destination, "parts": [[ROW, INDEX]] * 3})     # every layer indexed
         rx.free("m")
     pd_engine.release("m")
+
+
+# LayerSplit at CP 2: rank 0 owns layers 0-1, rank 1 layers 2-3. Layer 2 reuses layer 1's top-k ("shared"):
+# on each rank one of the two lives in the scratch numbering, so the reuse crosses numberings.
+SPLIT_INDEXED = (True, True, False, True)
+
+
+@pytest.fixture(scope="module")
+def glm5_split(ckpt_dir):
+    path = str(ckpt_dir / "glm5-4layers")
+    if not os.path.isdir(path):
+        make_dsa_checkpoint(path, "GlmMoeDsa", seed=23, n_group=1, topk_group=1, num_hidden_layers=4,
+                            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                            indexer_types=["full", "full", "shared", "full"])
+    return path
+
+
+def test_dsa_layer_split_matches_hf_and_holds_its_layers(glm5_split, engines):
+    """--enable-dsa-cache-layer-split: logits and the transferred caches equal HF, also for a request extended
+    by a second chunk (its prefix of the other rank's layers comes by broadcast); each rank holds its own
+    layers' MLA rows and indexer keys in full plus a scratch layer of the largest batch."""
+    engine = engines.get(glm5_split, tp_size=2, attn_cp_size=2, **INTERLEAVE, disaggregation_mode="prefill",
+                         enable_dsa_cache_layer_split=True, disaggregation_transfer_timeout_s=2.0)
+    oracle = DSAOracle()
+    history: dict[str, list[int]] = {}
+    worst = 0.0
+    for batch in ([("a", random_ids(37, VOCAB, 5)), ("b", random_ids(24, VOCAB, 6))],
+                  [("a", random_ids(21, VOCAB, 7)), ("c", random_ids(30, VOCAB, 8))]):     # a: cached prefix
+        out = engine.prefill([Request(rid, ids) for rid, ids in batch])
+        assert out.cp_applied
+        for i, (rid, ids) in enumerate(batch):
+            history[rid] = history.get(rid, []) + ids
+            worst = max(worst, rel_err(out.logits[i], oracle(glm5_split, history[rid])[0]))
+    assert worst <= TOL, f"logits rel err {worst:.2e} against HF"
+    with KVReceiver(glm5_split, max_tokens=128, max_requests=3) as rx:
+        for rid, ids in history.items():
+            worst = max(worst, _transfer_and_check(engine, rx, oracle, glm5_split, rid, ids, SPLIT_INDEXED))
+    print(f"worst rel err {worst:.2e}")
+    stats = engine.stats()
+    slots = stats["kv_tokens_total"] + 16                                      # + the dummy page
+    unsplit = slots * _dsa_bytes(1, SPLIT_INDEXED)
+    owned = [slots * _dsa_bytes(1, SPLIT_INDEXED[:2]), slots * _dsa_bytes(1, SPLIT_INDEXED[2:])]
+    assert sum(owned) == unsplit                                               # every layer on one rank
+    # Scratch: one MLA row and one indexer key per slot of the largest batch (a: 4 pages, c: 2, the dummy),
+    # at most half again after growth.
+    scratch = [held - mine for held, mine in zip(stats["kv_bytes_per_rank"], owned, strict=True)]
+    assert all(0 < s <= 3 * 7 * 16 // 2 * (ROW + INDEX) * 4 for s in scratch), scratch
+    ratios = [held / unsplit for held in stats["kv_bytes_per_rank"]]
+    print(f"KV bytes per rank / unsplit: {ratios}")
+    assert max(ratios) < 0.57 and sum(ratios) < 1.02                          # about 1/C each
+    for rid in history:
+        engine.release(rid)
+    assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
