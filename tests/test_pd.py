@@ -259,3 +259,13 @@ def test_layer_split_flag_needs_prefill_interleave_pp1(checkpoint):
         EngineArgs(**{**base, "cp_strategy": "zigzag", "disaggregation_mode": "prefill"})
     with pytest.raises(ConfigError, match="--pp 1"):
         EngineArgs(**base, disaggregation_mode="prefill", pp_size=2)
+
+
+def test_pd_bench_sets_prefill_mode_before_checking_flags(checkpoint, capsys):
+    """pd-bench is a prefill worker: --enable-dsa-cache-layer-split is judged with prefill mode already set
+    (here it still needs interleave CP, which the error names)."""
+    from graphcp.tools.cli import main
+    assert main(["pd-bench", "--model-path", checkpoint, "--tp", "1", "--attn-cp-size", "1",
+                 "--enable-dsa-cache-layer-split"]) != 0
+    err = capsys.readouterr().err
+    assert "--cp-strategy interleave" in err and "--disaggregation-mode" not in err

@@ -66,7 +66,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the report here")
     ns = parser.parse_args(argv)
-    args = dataclasses.replace(engine_args(ns), disaggregation_mode="prefill")
+    ns.disaggregation_mode = "prefill"            # before the flags are checked (LayerSplit needs it)
+    args = engine_args(ns)
     if args.max_total_tokens is None:
         args = dataclasses.replace(args, max_total_tokens=max(ns.tokens) + args.page_size)
     report = pd_bench(args, ns.tokens, ns.reps)
