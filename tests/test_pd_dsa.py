@@ -1,11 +1,14 @@
-"""PD transfer of DSA caches: a GLM-5-like model (a "shared" middle layer without its own indexer cache) at
-interleave CP 2 in prefill mode sends per layer the MLA rows and, on indexed layers, the indexer keys over
-Mooncake (tcp on 127.0.0.1); the receiver's copy equals HF's cache and the engine's own, also after a second
-chunk, and a destination laid out for another model is refused naming the key."""
+"""PD transfer of DSA caches: a GLM-5-like model (a "shared" layer without its own indexer cache) at
+interleave CP 2 in prefill mode with LayerSplit sends per layer the MLA rows and, on indexed layers, the
+indexer keys over Mooncake (tcp on 127.0.0.1); the receiver's copy equals HF's cache and the engine's own,
+also after a second chunk, and a destination laid out for another model is refused naming the key. One
+engine serves every test here (DSA engines are slow to start on 2 cores); LayerSplit pools send through the
+same pool interface as the unsplit DSA pool (``transfer_parts`` / ``registered``)."""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 import pytest
 
@@ -18,33 +21,22 @@ from parity import TOL, random_ids
 from test_dsa import INTERLEAVE, VOCAB, DSAOracle, make_dsa_checkpoint
 
 from graphcp import Request, RequestError
+from graphcp.models import read_model_config
 from graphcp.pd import KVReceiver
+from graphcp.pd.layout import layout_for
 
+# LayerSplit at CP 2: rank 0 owns layers 0-1, rank 1 layers 2-3. Layer 2 reuses layer 1's top-k ("shared"):
+# on each rank one of the two lives in the scratch numbering, so the reuse crosses numberings.
+SPLIT_INDEXED = (True, True, False, True)
 ROW, INDEX = 32 + 16, 32              # kv_lora_rank + qk_rope_head_dim, index_head_dim
-INDEXED = (True, False, True)         # indexer_types full, shared, full
 
 
-@pytest.fixture(scope="module")
-def glm5(ckpt_dir):
-    path = str(ckpt_dir / "glm5")
-    if not os.path.isdir(path):
-        make_dsa_checkpoint(path, "GlmMoeDsa", seed=22, n_group=1, topk_group=1,
-                            mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full", "shared", "full"])
-    return path
-
-
-@pytest.fixture(scope="module")
-def pd_engine(glm5, engines):
-    return engines.get(glm5, tp_size=2, attn_cp_size=2, **INTERLEAVE, disaggregation_mode="prefill",
-                       disaggregation_transfer_timeout_s=2.0)
-
-
-def _dsa_bytes(tokens: int, indexed: tuple[bool, ...] = INDEXED) -> int:
+def _dsa_bytes(tokens: int, indexed: tuple[bool, ...] = SPLIT_INDEXED) -> int:
     return tokens * (len(indexed) * ROW + sum(indexed) * INDEX) * 4          # fp32
 
 
 def _transfer_and_check(engine, rx, oracle, path: str, rid: str, history: list[int],
-                        indexed: tuple[bool, ...] = INDEXED) -> float:
+                        indexed: tuple[bool, ...] = SPLIT_INDEXED) -> float:
     """Send ``rid`` (its destination through JSON, as a decode worker would pass it); the received cache
     equals HF's for the whole history and the engine's own bitwise. Returns the worst rel err."""
     report = engine.transfer_kv(rid, json.loads(json.dumps(rx.destination(rid))))
@@ -65,48 +57,6 @@ def _transfer_and_check(engine, rx, oracle, path: str, rid: str, history: list[i
     return worst
 
 
-def test_dsa_transfer_matches_hf_with_a_second_chunk(pd_engine, glm5):
-    oracle = DSAOracle()
-    history = {"a": random_ids(37, VOCAB, 1), "b": random_ids(24, VOCAB, 2)}
-    with KVReceiver(glm5, max_tokens=128, max_requests=2) as rx:
-        assert rx.destination("a")["kind"] == "dsa" and rx.destination("a")["kv_lora_rank"] == 32
-        out = pd_engine.prefill([Request(rid, ids) for rid, ids in history.items()])
-        assert out.cp_applied
-        worst = max(_transfer_and_check(pd_engine, rx, oracle, glm5, rid, ids) for rid, ids in history.items())
-        # A later chunk extends "a"; the new transfer carries its whole cache again.
-        chunk = random_ids(21, VOCAB, 3)
-        assert pd_engine.prefill([Request("a", chunk)]).cp_applied
-        history["a"] += chunk
-        worst = max(worst, _transfer_and_check(pd_engine, rx, oracle, glm5, "a", history["a"]))
-        print(f"worst rel err {worst:.2e}")
-        for rid in history:
-            pd_engine.release(rid)
-            rx.free(rid)
-    stats = pd_engine.stats()
-    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]
-
-
-def test_dsa_transfer_refuses_another_layout(pd_engine, glm5, checkpoint):
-    """A dense model's destination, or a DSA one whose kind or parts differ, names the differing key."""
-    pd_engine.prefill([Request("m", random_ids(20, VOCAB, 4))])
-    with (KVReceiver(checkpoint, max_tokens=64, max_requests=1) as dense,
-          pytest.raises(RequestError, match=r"'m': destination\['num_layers'\]")):
-        pd_engine.transfer_kv("m", dense.destination("m"))
-    with KVReceiver(glm5, max_tokens=64, max_requests=1) as rx:
-        destination = rx.destination("m")
-        with pytest.raises(RequestError, match=r"destination\['kind'\]"):
-            pd_engine.transfer_kv("m", {**destination, "kind": "mha"})
-        with pytest.raises(RequestError, match=r"destination\['parts'\]"):
-            pd_engine.transfer_kv("m", {**destination, "parts": [[ROW, INDEX]] * 3})     # every layer indexed
-        rx.free("m")
-    pd_engine.release("m")
-
-
-# LayerSplit at CP 2: rank 0 owns layers 0-1, rank 1 layers 2-3. Layer 2 reuses layer 1's top-k ("shared"):
-# on each rank one of the two lives in the scratch numbering, so the reuse crosses numberings.
-SPLIT_INDEXED = (True, True, False, True)
-
-
 @pytest.fixture(scope="module")
 def glm5_split(ckpt_dir):
     path = str(ckpt_dir / "glm5-4layers")
@@ -117,12 +67,23 @@ def glm5_split(ckpt_dir):
     return path
 
 
-def test_dsa_layer_split_matches_hf_and_holds_its_layers(glm5_split, engines):
+@pytest.fixture(scope="module")
+def split_engine(glm5_split, engines):
+    return engines.get(glm5_split, tp_size=2, attn_cp_size=2, **INTERLEAVE, disaggregation_mode="prefill",
+                       enable_dsa_cache_layer_split=True, disaggregation_transfer_timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def receiver(glm5_split):
+    with KVReceiver(glm5_split, max_tokens=128, max_requests=3) as rx:
+        yield rx
+
+
+def test_dsa_layer_split_matches_hf_and_holds_its_layers(glm5_split, split_engine, receiver):
     """--enable-dsa-cache-layer-split: logits and the transferred caches equal HF, also for a request extended
     by a second chunk (its prefix of the other rank's layers comes by broadcast); each rank holds its own
     layers' MLA rows and indexer keys in full plus a scratch layer of the largest batch."""
-    engine = engines.get(glm5_split, tp_size=2, attn_cp_size=2, **INTERLEAVE, disaggregation_mode="prefill",
-                         enable_dsa_cache_layer_split=True, disaggregation_transfer_timeout_s=2.0)
+    engine = split_engine
     oracle = DSAOracle()
     history: dict[str, list[int]] = {}
     worst = 0.0
@@ -134,9 +95,9 @@ def test_dsa_layer_split_matches_hf_and_holds_its_layers(glm5_split, engines):
             history[rid] = history.get(rid, []) + ids
             worst = max(worst, rel_err(out.logits[i], oracle(glm5_split, history[rid])[0]))
     assert worst <= TOL, f"logits rel err {worst:.2e} against HF"
-    with KVReceiver(glm5_split, max_tokens=128, max_requests=3) as rx:
-        for rid, ids in history.items():
-            worst = max(worst, _transfer_and_check(engine, rx, oracle, glm5_split, rid, ids, SPLIT_INDEXED))
+    assert receiver.destination("a")["kind"] == "dsa" and receiver.destination("a")["kv_lora_rank"] == 32
+    for rid, ids in history.items():
+        worst = max(worst, _transfer_and_check(engine, receiver, oracle, glm5_split, rid, ids))
     print(f"worst rel err {worst:.2e}")
     stats = engine.stats()
     slots = stats["kv_tokens_total"] + 16                                      # + the dummy page
@@ -152,4 +113,22 @@ def test_dsa_layer_split_matches_hf_and_holds_its_layers(glm5_split, engines):
     assert max(ratios) < 0.57 and sum(ratios) < 1.02                          # about 1/C each
     for rid in history:
         engine.release(rid)
+        receiver.free(rid)
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
+
+
+def test_dsa_transfer_refuses_another_layout(split_engine, receiver, checkpoint):
+    """A dense model's layout, or a DSA one whose kind or parts differ, names the differing key; nothing is
+    written and the request stays cached."""
+    split_engine.prefill([Request("m", random_ids(20, VOCAB, 4))])
+    destination = receiver.destination("m")
+    dense = asdict(layout_for(read_model_config(checkpoint), 64, "float32"))     # as a dense receiver's
+    with pytest.raises(RequestError, match=r"'m': destination\['num_layers'\]"):
+        split_engine.transfer_kv("m", {**destination, **dense, "parts": [list(p) for p in dense["parts"]]})
+    with pytest.raises(RequestError, match=r"destination\['kind'\]"):
+        split_engine.transfer_kv("m", {**destination, "kind": "mha"})
+    with pytest.raises(RequestError, match=r"destination\['parts'\]"):
+        split_engine.transfer_kv("m", {**destination, "parts": [[ROW, INDEX]] * 4})     # every layer indexed
+    assert split_engine.kv_cache("m")[0][0].shape == (20, 32)
+    receiver.free("m")
+    split_engine.release("m")
