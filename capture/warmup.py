@@ -96,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                 entry.update(replay_bucket=graph.graph_bucket, max_rel_diff=diff, eager_spread=spread,
                              tolerance=tol, replay_matches_eager=graph.graph_bucket == rec["tokens"] and diff <= tol)
             buckets.append(entry)
+            if rec["error"]:
+                detail = f" (capture failed: {rec['error']})"
+            else:
+                detail = f" (rel diff {entry['max_rel_diff']:.2e}, tolerance {entry['tolerance']:.2e})"
             print(f"  bucket {entry['tokens']:>5}: capture {entry['capture_s']:.2f} s, "
                   f"{entry['memory_bytes'] / 2**20:.1f} MiB, replay matches eager: {entry['replay_matches_eager']}"
-                  + (f" (rel diff {entry.get('max_rel_diff', float('nan')):.2e}, tolerance {entry.get('tolerance', 0):.2e})"
-                     if not rec["error"] else
-                     f" (capture failed: {rec['error']})"))
+                  + detail)
     plan = {"version": PLAN_VERSION, "config": plan_config(args), "buckets": buckets,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with open(ns.out, "w") as f:

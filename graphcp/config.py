@@ -86,7 +86,8 @@ class EngineArgs:
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ConfigError(f"--max-total-tokens must be >= --page-size ({self.page_size}), got {self.max_total_tokens}")
+            raise ConfigError(f"--max-total-tokens must be >= --page-size ({self.page_size}), "
+                              f"got {self.max_total_tokens}")
         if self.enable_prefill_cp and self.cp_strategy is None:
             raise ConfigError("--cp-strategy must be set when --enable-prefill-cp is enabled (zigzag | interleave)")
         if self.attn_cp_size > 1 and not self.enable_prefill_cp:
@@ -111,7 +112,8 @@ class EngineArgs:
         _choice("--disaggregation-transfer-protocol", self.disaggregation_transfer_protocol, TRANSFER_PROTOCOLS)
         if self.disaggregation_transfer_backend == "mooncake_tcp" and self.disaggregation_transfer_protocol == "rdma":
             raise ConfigError("--disaggregation-transfer-backend mooncake_tcp sends over tcp; drop "
-                              "--disaggregation-transfer-protocol rdma or use --disaggregation-transfer-backend mooncake")
+                              "--disaggregation-transfer-protocol rdma or use "
+                              "--disaggregation-transfer-backend mooncake")
         if self.disaggregation_transfer_timeout_s <= 0:
             raise ConfigError("--disaggregation-transfer-timeout must be > 0 seconds")
         if self.enable_dsa_cache_layer_split:
@@ -176,7 +178,8 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
         add = parser.add_argument
-        add("--model-path", required=require_model, help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
+        add("--model-path", required=require_model,
+            help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
         add("--dtype", default="auto", choices=DTYPES)
         add("--device", default="auto", choices=DEVICES)
         add("--tp", "--tp-size", dest="tp_size", type=int, default=1)

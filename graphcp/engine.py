@@ -63,6 +63,9 @@ class Engine:
         self._owns_group = False            # torchrun: this engine started the process group, so it ends it
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
+        if args.world_size > 1:                 # model-dependent flags, before any rank process starts
+            from graphcp.runner import check_model_flags
+            check_model_flags(args)
         if self._spmd:
             self._join_torchrun()
         elif args.world_size == 1:
@@ -189,7 +192,8 @@ class Engine:
         return items
 
     # -- public API ------------------------------------------------------------------------------
-    def prefill(self, batch: Sequence[Request], count_host_ops: bool = False, force_eager: bool = False) -> PrefillOutput:
+    def prefill(self, batch: Sequence[Request], count_host_ops: bool = False,
+                force_eager: bool = False) -> PrefillOutput:
         """Prefill a batch. ``force_eager`` skips the graphs for this batch (benchmarks compare both);
         ``count_host_ops`` fills ``PrefillOutput.host_ops`` with the ops launched outside captured segments."""
         batch = list(batch) if isinstance(batch, (list, tuple)) else batch

@@ -44,6 +44,17 @@ from graphcp.profiling import count_host_ops, nvtx_range
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def check_model_flags(args: EngineArgs):  # noqa: ANN201 - a ModelConfig
+    """The flags that depend on the model, judged from its config alone: the engine calls this before any
+    rank process starts, so a bad flag costs no start-up."""
+    cfg = read_model_config(args.model_path)
+    check_model_fits(args, cfg)
+    check_expert_parallel(cfg, args.ep_size)
+    if cfg.dsa is not None:
+        check_dsa_flags(args)
+    return cfg
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, rank: int = 0, device: torch.device | None = None,
                  capture_progress: bool = False) -> None:
@@ -53,11 +64,7 @@ class ModelRunner:
             raise ConfigError("--device cuda was requested but no CUDA GPU is visible; use --device cpu")
         self.device = _normalize(device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
-        self.model_config = cfg = read_model_config(args.model_path)
-        check_model_fits(args, cfg)
-        check_expert_parallel(cfg, args.ep_size)
-        if cfg.dsa is not None:
-            check_dsa_flags(args)
+        self.model_config = cfg = check_model_flags(args)
         self.par = par = RankParallel.build(args, rank, cfg, self.device)
         self.me, self.comm = par.me, par.comm
         self.backend = args.resolved_backend()

@@ -778,7 +778,9 @@ def part_f(rep: Report, state: dict) -> str:
 
     from graphcp.models.random_checkpoint import DEMO_QWEN3, make_random_checkpoint
     path = make_random_checkpoint(os.path.join(state["workdir"], "demo-qwen3"), DEMO_QWEN3)   # small: quick
-    cmd = [sys.executable, os.path.abspath(__file__), "--dirty-pool-child", path] + (["--dry-run"] if rep.dry_run else [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--dirty-pool-child", path]
+    if rep.dry_run:
+        cmd.append("--dry-run")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, rep.left()))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -10,7 +10,8 @@ from graphcp import Engine, EngineArgs, Request
 
 ckpt, out_dir = sys.argv[1], sys.argv[2]
 args = EngineArgs.from_cli(["--model-path", ckpt, "--tp", "2", "--attn-cp-size", "2", "--enable-prefill-cp",
-                            "--cp-strategy", "zigzag", "--max-total-tokens", "2048", "--cuda-graph-buckets", "16", "32"])
+                            "--cp-strategy", "zigzag", "--max-total-tokens", "2048",
+                            "--cuda-graph-buckets", "16", "32"])
 ids = {"a": list(range(3, 40)), "b": [(7 * i) % 200 for i in range(1, 25)]}
 with Engine(args) as engine:
     out = engine.prefill([Request(rid, tokens) for rid, tokens in ids.items()])

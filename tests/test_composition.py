@@ -20,7 +20,8 @@ LAYOUTS = {
 
 
 def test_rank_map():
-    args = SimpleNamespace(tp_size=4, dp_size=2, pp_size=2, cp_size=2, attn_tp_size=1, world_size=8)   # topology reads sizes only
+    # The topology reads sizes only.
+    args = SimpleNamespace(tp_size=4, dp_size=2, pp_size=2, cp_size=2, attn_tp_size=1, world_size=8)
     info = [rank_info(args, r) for r in range(8)]
     assert [(i.pp_rank, i.dp_rank, i.cp_rank, i.attn_tp_rank) for i in info[:4]] == \
         [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 0)]

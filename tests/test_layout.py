@@ -38,7 +38,7 @@ batches = st.integers(1, 4).flatmap(lambda c: st.tuples(
     st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40)), min_size=1, max_size=6)))
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(batches)
 def test_zigzag_rules(batch):
     c, reqs = batch
@@ -62,7 +62,7 @@ def test_zigzag_rules(batch):
     assert sorted(owned) == list(range(sum(ext)))                         # every token owned exactly once
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(batches)
 def test_interleave_rules(batch):
     c, reqs = batch

@@ -1,4 +1,5 @@
-"""Small layers shared by the llama family: RMSNorm and the rotary embedding (one Triton launch each\non CUDA once ``probe_layer_kernels`` has checked them at start; the torch forms are HF's)."""
+"""Small layers shared by the llama family: RMSNorm and the rotary embedding (one Triton launch each
+on CUDA once ``probe_layer_kernels`` has checked them at start; the torch forms are HF's)."""
 from __future__ import annotations
 
 import math

@@ -50,8 +50,8 @@ class KVReceiver:
             os.ftruncate(fd, nbytes)
             os.close(fd)
             self._buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-            self._proc = subprocess.Popen([sys.executable, "-m", "graphcp.pd.receive_process", path, str(nbytes), protocol,
-                                           host], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
+            cmd = [sys.executable, "-m", "graphcp.pd.receive_process", path, str(nbytes), protocol, host]
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(),
                                           text=True)
             port, self._remote_base = self._wait_ready(start_timeout_s)
         except BaseException:

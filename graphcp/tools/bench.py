@@ -259,7 +259,8 @@ def _plot(results: list[dict], path: str) -> None:
     names = [r["case"] for r in results]
     fig, ax = plt.subplots(figsize=(max(6, len(names) * 1.2), 4))
     width = 0.27
-    for i, (key, label) in enumerate((("graph", "graphcp graph"), ("eager", "graphcp eager"), ("hf", "HF transformers"))):
+    columns = (("graph", "graphcp graph"), ("eager", "graphcp eager"), ("hf", "HF transformers"))
+    for i, (key, label) in enumerate(columns):
         vals = [r["tokens"] / r["ms"][key] * 1e3 if r["ms"][key] else 0 for r in results]
         ax.bar([x + (i - 1) * width for x in range(len(names))], vals, width, label=label)
     ax.set_xticks(range(len(names)), names)

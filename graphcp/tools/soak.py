@@ -84,7 +84,8 @@ def run(argv: list[str]) -> int:
     print(f"soak: {r['batches']} batches ({r['graph_batches']} graph, {r['eager_batches']} eager); "
           f"KV tokens leaked: {r['leaked_tokens']}; re-captured: {r['recaptured']}; "
           f"graph vs eager on {r['sampled']} sampled batches: max |diff| {r['max_graph_vs_eager']:.2e}; "
-          f"rank memory (sum) start {r['rank_memory_start'] / mib:.0f} MiB, peak {r['rank_memory_peak'] / mib:.0f} MiB, "
+          f"rank memory (sum) start {r['rank_memory_start'] / mib:.0f} MiB, "
+          f"peak {r['rank_memory_peak'] / mib:.0f} MiB, "
           f"end {r['rank_memory_end'] / mib:.0f} MiB")
     ok = r["leaked_tokens"] == 0 and not r["recaptured"] and r["max_graph_vs_eager"] <= 1e-5
     return 0 if ok else 1

@@ -60,7 +60,7 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, KP, VP, CU, PR, LIM, O,
+    Q, KP, VP, CU, PR, LIM, OUT,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -122,15 +122,15 @@ def _paged_attn_kernel(
                                        qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
-        tl.store(O + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
         # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile do nothing.
         pad_rows = (total_q + (pid - total_tiles) * BLOCK_M + m_off).to(tl.int64)
         pad_ok = (pad_rows < T) & (pad_rows >= total_q)
         zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        tl.store(O + pad_rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-                 zero.to(O.dtype.element_ty), mask=pad_ok[:, None])
+        tl.store(OUT + pad_rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+                 zero.to(OUT.dtype.element_ty), mask=pad_ok[:, None])
 
 
 def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype, rows_per_seq: float) -> tuple[int, ...]:
