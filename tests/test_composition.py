@@ -55,7 +55,13 @@ def test_composition_matches_hf(checkpoint, engines, oracle, name):
     (dict(tp_size=4), "--tp"),                                                     # attention TP 4 > 2 KV heads
     (dict(tp_size=2, pp_size=3, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag"), "--pp"),
 ])
-def test_invalid_compositions(checkpoint, kwargs, flag):
+def test_invalid_compositions(checkpoint, kwargs, flag, monkeypatch):
+    """Refused from the flags and the model's config alone, before any rank process starts."""
+    import subprocess
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a rank process was started for flags that cannot work")
+    monkeypatch.setattr(subprocess, "Popen", no_spawn)
     with pytest.raises(ConfigError, match=flag):
         Engine(EngineArgs(model_path=checkpoint, max_total_tokens=1024, **kwargs))
 
