@@ -53,7 +53,7 @@ def oracle():
 class _Engines:
     """Engines keyed by their arguments, reused by every test; at most a few multi-rank ones alive."""
 
-    def __init__(self, max_multi: int = 4) -> None:
+    def __init__(self, max_multi: int = 3) -> None:
         self.engines: dict[tuple, Engine] = {}
         self.max_multi = max_multi
 
