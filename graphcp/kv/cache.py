@@ -12,7 +12,34 @@ import torch
 DUMMY_SLOT = 0
 
 
-class KVPool:
+class PoolHooks:
+    """What the runner and the attention ops ask of every pool, as a pool that holds every layer answers.
+    LayerSplit pools (graphcp/pd/layer_split.py) override them."""
+
+    def held_layers(self, stage_layers: range) -> range:
+        """The layers whose cache this pool keeps between batches."""
+        return stage_layers
+
+    def begin_batch(self, rows: list, prefix_lens: list[int]) -> None:
+        """Told each batch's page rows and cached-prefix lengths before the forward."""
+
+    def prepare(self, layer: int) -> None:
+        """Called before a layer's attention writes and reads the pool."""
+
+    def map_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Engine slots in ``layer``'s storage numbering (the same unless LayerSplit scratch)."""
+        return slots
+
+    def map_pages(self, layer: int, page_rows: torch.Tensor) -> torch.Tensor:
+        """Page-table rows in ``layer``'s storage numbering."""
+        return page_rows
+
+    def unmap_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Storage slots of ``layer`` back in the engine's numbering."""
+        return slots
+
+
+class KVPool(PoolHooks):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
                  write_kernel: Callable | None = None) -> None:
@@ -53,21 +80,6 @@ class KVPool:
     def registered(self) -> tuple[torch.Tensor, ...]:
         """The tensors a sender registers with its transfer engine: every part lies in one of them."""
         return self.k, self.v
-
-    # -- hooks for pools that do not hold every layer (graphcp/pd/layer_split.py) ---------------------
-    def held_layers(self, stage_layers: range) -> range:
-        """The layers whose cache this pool keeps between batches."""
-        return stage_layers
-
-    def begin_batch(self, rows: list[list[int]], prefix_lens: list[int]) -> None:
-        """Told each batch's page rows and cached-prefix lengths before the forward."""
-
-    def prepare(self, layer: int) -> None:
-        """Called before a layer's attention writes and reads the pool."""
-
-    def map_pages(self, layer: int, page_rows: torch.Tensor) -> torch.Tensor:
-        """Page-table rows in ``layer``'s storage numbering (the same unless LayerSplit scratch)."""
-        return page_rows
 
     @property
     def nbytes(self) -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from graphcp.kv.cache import PoolHooks
 
-class DSAPool:
+
+class DSAPool(PoolHooks):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
                  rope_dim: int, index_dim: int, shared_indexer: tuple[bool, ...],
                  dtype: torch.dtype, device: torch.device, held: range | None = None) -> None:
@@ -51,23 +53,6 @@ class DSAPool:
 
     def registered(self) -> tuple[torch.Tensor, ...]:
         return self.kv, self.index_k
-
-    # -- the KVPool hooks the runner calls -----------------------------------------------------
-    def held_layers(self, stage_layers: range) -> range:
-        return stage_layers
-
-    def begin_batch(self, rows: list[list[int]], prefix_lens: list[int]) -> None:
-        """Nothing to prepare: every layer is held."""
-
-    def prepare(self, layer: int) -> None:
-        """Called before a layer's attention writes and reads the pool."""
-
-    def map_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Engine slots in ``layer``'s storage numbering (the same unless LayerSplit scratch)."""
-        return slots
-
-    def unmap_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return slots
 
     @property
     def nbytes(self) -> int:
