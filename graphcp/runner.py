@@ -14,7 +14,7 @@ import torch
 
 from graphcp.attention.dsa import DSAAttention
 from graphcp.attention.op import PagedAttention
-from graphcp.attention.registry import KERNELS, kv_write_kernel, resolve_kernel
+from graphcp.kernels.registry import KERNELS, kv_write_kernel, resolve_kernel
 from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, check_model_fits

@@ -49,10 +49,10 @@ if ROOT not in sys.path:
 PEAK_BF16_TFLOPS = 989.0
 GPU_BUDGET_S = 450.0          # stop starting new work before 7.5 minutes
 DRY_BUDGET_S = 80.0
-TRITON_MODULE = "graphcp.attention.kernels.triton_attention"
-KV_WRITE_MODULE = "graphcp.attention.kernels.triton_kv_write"
-LAYER_OP_MODULES = ("graphcp.models.triton_rmsnorm", "graphcp.models.triton_rope")
-FP8_GEMM_MODULE = "graphcp.models.triton_fp8_gemm"
+TRITON_MODULE = "graphcp.kernels.triton_attention"
+KV_WRITE_MODULE = "graphcp.kernels.triton_kv_write"
+LAYER_OP_MODULES = ("graphcp.kernels.triton_rmsnorm", "graphcp.kernels.triton_rope")
+FP8_GEMM_MODULE = "graphcp.kernels.triton_fp8_gemm"
 
 
 class SkipPart(Exception):
@@ -255,7 +255,7 @@ def reference_attention(q, k_pool, v_pool, cu, page_rows, limits, page_size: int
     """torch_paged_attention in fp32, per sequence and in query chunks so 32k x 32k never materializes."""
     import torch
 
-    from graphcp.attention.torch_ref import torch_paged_attention
+    from graphcp.kernels.torch_ref import torch_paged_attention
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qf, kf, vf = q.float(), k_pool.float(), v_pool.float()
     bounds = cu.tolist()
@@ -282,8 +282,8 @@ def part_a(rep: Report) -> str:
         if rep.dry_run:
             raise SkipPart(why)
         raise RuntimeError(f"cannot test the Triton kernels: {why}")
-    from graphcp.attention.kernels.triton_attention import triton_paged_attention
-    from graphcp.attention.kernels.triton_kv_write import triton_kv_write
+    from graphcp.kernels.triton_attention import triton_paged_attention
+    from graphcp.kernels.triton_kv_write import triton_kv_write
     device = "cpu" if rep.dry_run else "cuda"
     bf16 = torch.bfloat16
     if rep.dry_run:   # Triton's interpreter: tiny shapes
@@ -346,8 +346,8 @@ def _check_layer_ops(rep: Report, device: str) -> None:
     import torch
 
     from graphcp.models.layers import rms_norm_torch, rope_torch
-    from graphcp.models.triton_rmsnorm import triton_rms_norm
-    from graphcp.models.triton_rope import triton_rope
+    from graphcp.kernels.triton_rmsnorm import triton_rms_norm
+    from graphcp.kernels.triton_rope import triton_rope
     t, hidden, heads, d = (9, 64, 2, 64) if rep.dry_run else (8192, 4096, 32, 128)
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(11)
@@ -372,7 +372,7 @@ def _flashinfer_kernels(rep: Report, dtype, head_dim: int) -> list:  # noqa: ANN
     """[(name, kernel)] for the flashinfer variant this GPU would use, when flashinfer is installed and fits."""
     import torch
 
-    from graphcp.attention.kernels import flashinfer_attention as fi
+    from graphcp.kernels import flashinfer_attention as fi
     if rep.dry_run or fi.unsupported_reason(torch.device("cuda"), dtype, head_dim, True) is not None:
         return []
     variant = fi.variant_for_capability(torch.cuda.get_device_capability())
@@ -421,7 +421,7 @@ def part_b(rep: Report) -> str:
     why = _triton_ready()
     if why:
         raise RuntimeError(f"cannot time the Triton kernel: {why}")
-    from graphcp.attention.kernels.triton_attention import triton_paged_attention
+    from graphcp.kernels.triton_attention import triton_paged_attention
     notes = []
     for tokens, hq, hkv, d in ((8192, 32, 8, 128), (32768, 32, 8, 128), (8192, 32, 4, 64), (32768, 32, 4, 64)):
         if rep.left() < 40:
@@ -670,9 +670,9 @@ def part_e(rep: Report) -> str:
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec(FP8_GEMM_MODULE) is None:
         if rep.dry_run:
             raise SkipPart("triton or the FP8 GEMM is not installed")
-        raise RuntimeError("cannot test the FP8 GEMM: triton or graphcp.models.triton_fp8_gemm is missing")
+        raise RuntimeError("cannot test the FP8 GEMM: triton or graphcp.kernels.triton_fp8_gemm is missing")
     from graphcp.models.fp8 import fp8_linear_torch
-    from graphcp.models.triton_fp8_gemm import triton_fp8_linear
+    from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
     device = "cpu" if rep.dry_run else "cuda"
     if not rep.dry_run and torch.cuda.get_device_capability() < (8, 9):
         raise SkipPart("no FP8 tensor cores (compute capability < 8.9): graphcp dequantizes FP8 at load here")
@@ -718,10 +718,10 @@ def part_g(rep: Report) -> str:
     """DSA and MoE kernels against their torch forms (the interpreter on a dry run)."""
     import torch
 
-    from graphcp.attention import dsa_torch
-    from graphcp.attention.kernels import triton_dsa
+    from graphcp.kernels import dsa_torch
+    from graphcp.kernels import triton_dsa
     from graphcp.models.moe import _experts_torch
-    from graphcp.models.triton_moe import triton_experts
+    from graphcp.kernels.triton_moe import triton_experts
     dev, dtype = ("cpu", torch.float32) if rep.dry_run else ("cuda", torch.bfloat16)
     tol = 1e-5 if rep.dry_run else 2e-2
     gen = torch.Generator().manual_seed(0)

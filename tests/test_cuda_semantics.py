@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphcp.attention.op import _attend_break
-from graphcp.attention.registry import KERNELS, KernelArgs
+from graphcp.kernels.registry import KERNELS, KernelArgs
 from graphcp.forward_batch import HostMaxima
 from graphcp.graph import cuda as cuda_backend
 from graphcp.graph.cpu import CpuCapture
@@ -247,7 +247,7 @@ def test_one_rank_capture_failure_keeps_collectives_matched(checkpoint, oracle, 
 def test_torch_kernel_chunks_long_prompts(monkeypatch):
     """A long prompt's queries run in chunks so no SDPA call materialises more than the score budget;
     the result equals the unchunked call."""
-    from graphcp.attention import torch_ref
+    from graphcp.kernels import torch_ref
     gen = torch.Generator().manual_seed(0)
     q_lens, prefix, ps = [300, 170], [40, 0], 16
     kv = [p + n for p, n in zip(prefix, q_lens)]

@@ -174,8 +174,8 @@ def test_dsa_flags(v32):
 def test_triton_kernels_match_torch(dtype):
     """Indexer scores and sparse MLA in Triton's interpreter against the torch reference: rows with
     few visible keys, one without any (padding), slots scattered over the pool."""
-    from graphcp.attention import dsa_torch
-    from graphcp.attention.kernels import triton_dsa
+    from graphcp.kernels import dsa_torch
+    from graphcp.kernels import triton_dsa
     gen = torch.Generator().manual_seed(0)
     rows, heads, dim, keys, pool = 5, 16, 32, 40, 64
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
@@ -204,7 +204,7 @@ def test_triton_kernels_match_torch(dtype):
 def test_triton_engine_matches_hf(engines, dsa_oracle, glm5):
     """--attention-kernel triton serves DSA with the Triton kernels (the interpreter on CPU)."""
     from graphcp.attention.dsa import dsa_kernels
-    from graphcp.attention.kernels import triton_dsa
+    from graphcp.kernels import triton_dsa
     assert dsa_kernels("triton", torch.device("cpu")) is triton_dsa
     engine = engines.get(glm5, attention_kernel="triton")
     _check(engine, dsa_oracle, glm5, [FIRST[:1]])

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import flashinfer_semantics
-from graphcp.attention.kernels import flashinfer_attention as fi
-from graphcp.attention.registry import kernel_fn, resolve_kernel
-from graphcp.attention.torch_ref import torch_paged_attention
+from graphcp.kernels import flashinfer_attention as fi
+from graphcp.kernels.registry import kernel_fn, resolve_kernel
+from graphcp.kernels.torch_ref import torch_paged_attention
 from graphcp.cp.metadata import zigzag_metadata
 from graphcp.errors import ConfigError
 

@@ -96,7 +96,7 @@ def _fp8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _check_gemm(
     x: torch.Tensor, w: fp8.Fp8Weight, dense: torch.Tensor, bias: torch.Tensor | None
 ) -> float:
-    from graphcp.models.triton_fp8_gemm import triton_fp8_linear
+    from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
 
     got = triton_fp8_linear(x, w, bias)
     torch_form = fp8.fp8_linear_torch(x, w, bias)

@@ -169,7 +169,7 @@ def test_each_rank_loads_only_its_experts(moe6):
 
 
 def test_triton_grouped_experts_match_torch_form():
-    from graphcp.models.triton_moe import triton_experts
+    from graphcp.kernels.triton_moe import triton_experts
     g = torch.Generator().manual_seed(0)
     rows, hidden, inter, k = 21, 32, 24, 3
     x = torch.randn(rows, hidden, generator=g)

@@ -15,10 +15,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphcp.attention.kernels.triton_attention import triton_paged_attention  # noqa: E402
-from graphcp.attention.kernels.triton_kv_write import triton_kv_write  # noqa: E402
-from graphcp.attention.registry import kernel_fn  # noqa: E402
-from graphcp.attention.torch_ref import torch_paged_attention  # noqa: E402
+from graphcp.kernels.triton_attention import triton_paged_attention  # noqa: E402
+from graphcp.kernels.triton_kv_write import triton_kv_write  # noqa: E402
+from graphcp.kernels.registry import kernel_fn  # noqa: E402
+from graphcp.kernels.torch_ref import torch_paged_attention  # noqa: E402
 from graphcp.cp.metadata import interleave_metadata, zigzag_metadata  # noqa: E402
 
 HQ = 4
@@ -220,8 +220,8 @@ def test_start_probe(monkeypatch):
     """The start-up probe passes the real kernel (here in the interpreter); a failing probe on CUDA makes
     auto fall back to torch and an explicit triton request a ConfigError with the reason."""
     from graphcp.attention import probe as probe_module
-    from graphcp.attention.registry import resolve_kernel
-    from graphcp.attention.probe import probe_kernel
+    from graphcp.kernels.registry import resolve_kernel
+    from graphcp.kernels.probe import probe_kernel
     from graphcp.errors import ConfigError
     assert probe_kernel(triton_paged_attention, torch.device("cpu"), torch.float32, 4, 2, 64, 16) is None
     assert "disagrees" in probe_kernel(lambda *a, **k: a[-1].zero_(), torch.device("cpu"), torch.float32, 4, 2, 64, 4)
@@ -230,7 +230,7 @@ def test_start_probe(monkeypatch):
     assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) in ("triton", "flashinfer-paged",
                                                                               "flashinfer-trtllm")
     monkeypatch.setattr(probe_module, "probe_kernel", lambda *a: "failed its first call (RuntimeError: ptxas)")
-    monkeypatch.setattr("graphcp.attention.kernels.flashinfer_attention.flashinfer_installed", lambda: False)
+    monkeypatch.setattr("graphcp.kernels.flashinfer_attention.flashinfer_installed", lambda: False)
     assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) == "torch"
     with pytest.raises(ConfigError, match="--attention-kernel triton failed its first call .*ptxas"):
         resolve_kernel("triton", cuda, torch.bfloat16, 64, heads=(4, 2))

@@ -12,10 +12,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphcp.models.layer_kernels import cuda_kernel  # noqa: E402
+from graphcp.kernels.layer_kernels import cuda_kernel  # noqa: E402
 from graphcp.models.layers import rms_norm_torch, rope_torch  # noqa: E402
-from graphcp.models.triton_rmsnorm import triton_rms_norm  # noqa: E402
-from graphcp.models.triton_rope import triton_rope  # noqa: E402
+from graphcp.kernels.triton_rmsnorm import triton_rms_norm  # noqa: E402
+from graphcp.kernels.triton_rope import triton_rope  # noqa: E402
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -90,7 +90,7 @@ def test_lookup():
 def test_first_use_check_falls_back_to_the_torch_form(monkeypatch, caplog):
     """A Triton layer op that raises or disagrees on its first call is replaced by the torch form, once,
     with a warning; one that agrees is kept and not checked again."""
-    from graphcp.models import layer_kernels as layers
+    from graphcp.kernels import layer_kernels as layers
     monkeypatch.setattr(layers, "_CUDA_KERNELS", {})
     monkeypatch.setattr(layers, "_CHECKED", set())
     x = torch.randn(4, 8)

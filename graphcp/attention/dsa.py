@@ -13,9 +13,9 @@ import logging
 
 import torch
 
-from graphcp.attention import dsa_torch
-from graphcp.attention.dsa_torch import key_slots, select_topk
-from graphcp.attention.registry import triton_available
+from graphcp.kernels import dsa_torch
+from graphcp.kernels.dsa_torch import key_slots, select_topk
+from graphcp.kernels.registry import triton_available
 from graphcp.cp.metadata import CPMetadata
 from graphcp.dist.comm import CPComm
 from graphcp.kv.dsa_cache import DSAPool
@@ -37,7 +37,7 @@ def dsa_kernels(requested: str, device: torch.device):
     wants = requested == "triton" or (requested == "auto" and device.type == "cuda")
     if not wants or not triton_available(device):
         return dsa_torch
-    from graphcp.attention.kernels import triton_dsa
+    from graphcp.kernels import triton_dsa
     if device.type != "cuda":
         return triton_dsa
     try:

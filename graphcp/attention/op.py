@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from graphcp.attention.registry import KernelArgs, KernelSpec
+from graphcp.kernels.registry import KernelArgs, KernelSpec
 from graphcp.cp.metadata import CPMetadata
 from graphcp.dist.comm import CPComm
 from graphcp.forward_batch import HostMaxima

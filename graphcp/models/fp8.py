@@ -19,7 +19,7 @@ from torch import nn
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig
-from graphcp.models.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

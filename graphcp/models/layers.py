@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from graphcp.models.config import ModelConfig
-from graphcp.models.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from graphcp.forward_context import current_moe_communicator
 from graphcp.models.config import ModelConfig
-from graphcp.models.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
 from graphcp.models.parallel import shard_range
 
 

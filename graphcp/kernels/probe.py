@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from graphcp.attention.torch_ref import torch_paged_attention
+from graphcp.kernels.torch_ref import torch_paged_attention
 
 
 def probe_kernel(kernel: Callable[..., torch.Tensor], device: torch.device, dtype: torch.dtype, num_heads: int,

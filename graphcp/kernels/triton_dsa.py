@@ -1,4 +1,4 @@
-"""DSA kernels in Triton, with the contracts of ``attention/dsa_torch.py``.
+"""DSA kernels in Triton, with the contracts of ``kernels/dsa_torch.py``.
 
 ``indexer_scores``: one program per (query row, block of key positions) gathers the keys' cached
 indexer rows through the row's slots and computes sum over heads of weight x ReLU(scale q.k) with

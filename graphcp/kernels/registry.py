@@ -84,14 +84,14 @@ class KernelSpec:
         if self.name.startswith("flashinfer"):
             return importlib.import_module(_FI).probe(self.name.split("-", 1)[1], device, dtype, *heads,
                                                       head_dim, page_size)
-        from graphcp.attention.probe import probe_kernel
+        from graphcp.kernels.probe import probe_kernel
         return probe_kernel(self.fn, device, dtype, *heads, head_dim, page_size)
 
 
-_FI = "graphcp.attention.kernels.flashinfer_attention"
+_FI = "graphcp.kernels.flashinfer_attention"
 KERNELS = {
-    "torch": KernelSpec("torch", "graphcp.attention.torch_ref", "torch_paged_attention", False),
-    "triton": KernelSpec("triton", "graphcp.attention.kernels.triton_attention", "triton_paged_attention",
+    "torch": KernelSpec("torch", "graphcp.kernels.torch_ref", "torch_paged_attention", False),
+    "triton": KernelSpec("triton", "graphcp.kernels.triton_attention", "triton_paged_attention",
                          True),
     "flashinfer-trtllm": KernelSpec("flashinfer-trtllm", _FI, "flashinfer_trtllm_attention", True),
     # The paged wrapper plans on the host: always a break.
@@ -110,7 +110,7 @@ def kv_write_kernel(device: torch.device) -> Kernel | None:
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
     try:
-        from graphcp.attention.kernels.triton_kv_write import triton_kv_write
+        from graphcp.kernels.triton_kv_write import triton_kv_write
     except ImportError:
         return None
     return triton_kv_write

@@ -19,7 +19,7 @@ import importlib.util
 
 import torch
 
-from graphcp.attention.torch_ref import per_forward
+from graphcp.kernels.torch_ref import per_forward
 
 WORKSPACE_BYTES = 256 << 20      # flashinfer recommends >= 128 MiB; trtllm-gen keeps softmax stats for split KV
 HEAD_DIMS = (64, 128, 256)
@@ -152,7 +152,7 @@ def probe(variant: str, device: torch.device, dtype: torch.dtype, num_heads: int
           page_size: int) -> str | None:
     """None when ``variant`` serves a probe batch as the torch kernel does, else why not: flashinfer compiles
     or downloads its kernels on first use, which can fail on an offline or unsupported machine."""
-    from graphcp.attention.probe import probe_kernel
+    from graphcp.kernels.probe import probe_kernel
     fn = flashinfer_trtllm_attention if variant == "trtllm" else flashinfer_paged_attention
     return probe_kernel(fn, device, dtype, num_heads, num_kv_heads, head_dim, page_size)
 

@@ -12,10 +12,10 @@ from typing import Any, Callable
 import torch
 
 log = logging.getLogger("graphcp")
-_TRITON_FORMS = {"rms_norm": ("graphcp.models.triton_rmsnorm", "triton_rms_norm"),
-                 "rope": ("graphcp.models.triton_rope", "triton_rope"),
-                 "fp8_gemm": ("graphcp.models.triton_fp8_gemm", "triton_fp8_linear"),
-                 "moe_experts": ("graphcp.models.triton_moe", "triton_experts")}
+_TRITON_FORMS = {"rms_norm": ("graphcp.kernels.triton_rmsnorm", "triton_rms_norm"),
+                 "rope": ("graphcp.kernels.triton_rope", "triton_rope"),
+                 "fp8_gemm": ("graphcp.kernels.triton_fp8_gemm", "triton_fp8_linear"),
+                 "moe_experts": ("graphcp.kernels.triton_moe", "triton_experts")}
 _CUDA_KERNELS: dict[str, Callable | None] = {}
 
 
