@@ -7,13 +7,16 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from graphcp.errors import ConfigError
+from graphcp.kernels.registry import ATTENTION_CHOICES
 from graphcp.models.gguf import check_file, is_gguf
 
 STRATEGIES = ("zigzag", "interleave")
 BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
-KERNELS = ("auto", "flashinfer", "triton", "torch")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cuda", "cpu")
 MOE_A2A_BACKENDS = ("none", "all_to_all")
 DISAGGREGATION_MODES = ("null", "prefill")
@@ -75,7 +78,7 @@ class EngineArgs:
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--device", self.device, DEVICES)
         _choice("--attention-backend", self.attention_backend, BACKENDS)
-        _choice("--attention-kernel", self.attention_kernel, KERNELS)
+        _choice("--attention-kernel", self.attention_kernel, ATTENTION_CHOICES)
         if self.cp_strategy is not None:
             _choice("--cp-strategy", self.cp_strategy, STRATEGIES)
         for flag, value in (("--tp", self.tp_size), ("--dp", self.dp_size), ("--pp", self.pp_size),
@@ -154,10 +157,14 @@ class EngineArgs:
     def expert_tp_size(self) -> int:
         return self.tp_size // self.ep_size
 
+    @property
+    def resolved_cp_strategy(self) -> str:
+        """The layout: the one asked for, or zigzag (a one-rank zigzag when CP is off)."""
+        return self.cp_strategy or "zigzag"
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_backend(self) -> str:
@@ -233,6 +240,13 @@ class EngineArgs:
         parser = _RaisingParser(prog="graphcp")
         cls.add_cli_args(parser)
         return cls.from_namespace(parser.parse_args(list(argv)))
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``--dtype``: auto is bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[name]
 
 
 def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelConfig

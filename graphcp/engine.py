@@ -64,8 +64,11 @@ class Engine:
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.world_size > 1:                 # model-dependent flags, before any rank process starts
-            from graphcp.runner import check_model_flags
+            from graphcp.models.families import check_model_flags
             check_model_flags(args)
+        if args.attention_kernel == "triton" and args.resolved_device() == "cpu":
+            from graphcp.kernels.registry import use_triton_interpreter
+            use_triton_interpreter()            # before triton is imported here or in a rank process
         if self._spmd:
             self._join_torchrun()
         elif args.world_size == 1:
@@ -258,6 +261,8 @@ class Engine:
                 dist.barrier()
             dist.destroy_process_group()
             self._owns_group = False
+        if self._runner is not None:
+            self._runner.close()            # graphs, pool and weights freed now, not at a later collection
         self._runner = None
 
     def __enter__(self) -> "Engine":

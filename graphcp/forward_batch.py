@@ -1,35 +1,33 @@
-"""ForwardBatch: everything one forward needs, passed down the call (never shared by reference).
+"""What one forward runs on, passed down the call (never shared by reference).
 
-The device side is the raw batch descriptors (static graph buffers when replayed); the host side is the
-few maxima that kernels run in graph breaks need. A graph replay hands the live batch's ``HostMaxima`` to
-its breaks in place of the capture batch's, so a break always sees the batch it serves.
+``BatchInputs`` is a batch as the host holds it; the descriptors are filled from it (the graph runner's
+static ones for a replay, fresh ones for an eager forward). ``ForwardBatch`` is what the forward reads:
+the device descriptors, the layout the planner decided (``cp.plan.LayoutPlan``: strategy, local capacity,
+host maxima), and where speculative aux rows go.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from graphcp.cp.strategy import ContextParallelStrategy
+    from graphcp.cp.plan import LayoutPlan
     from graphcp.graph.buffers import Descriptors
 
 
 @dataclass
-class HostMaxima:
-    """Host-side maxima of one batch (break arguments) and a per-forward scratch for kernels."""
-    max_q: int = 0
-    max_kv: int = 0
-    early_rows: int = 0     # zigzag: local rows held by early blocks (the flashattention path splits there)
-    workspace: dict = field(default_factory=dict)   # per-forward values kernels share across layers
+class BatchInputs:
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    page_rows: list                       # per request, its page ids (int64 arrays)
+    ids: list["torch.Tensor"]             # per request, its new token ids
+    whole_on: list[int] | None = None     # adaptive CP placement (see cp/adaptive.py)
 
 
 @dataclass
 class ForwardBatch:
     inputs: "Descriptors"                 # device descriptors: lengths, page rows, token ids
-    strategy: "ContextParallelStrategy"   # the layout this batch runs with (unsharded when CP is off)
-    local_cap: int                        # rows of this rank's padded buffers (the bucket when graphed)
-    host: HostMaxima
-    bucket: int | None = None             # the graph bucket replayed, None when eager
+    plan: "LayoutPlan"                    # the layout this batch runs with, decided once by the planner
     aux_out: "torch.Tensor | None" = None  # speculative aux hidden states land here (static when graphed)

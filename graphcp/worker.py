@@ -8,6 +8,7 @@ import sys
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,9 @@ import torch.distributed as dist
 from graphcp.commands import execute
 from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError, RequestError, TransferError
+
+if TYPE_CHECKING:
+    from graphcp.runner import ModelRunner
 
 
 def rank_device(args: EngineArgs, rank: int) -> torch.device:
@@ -56,11 +60,12 @@ def worker_main(rank: int, world: int, args: EngineArgs, init_method: str, conn:
     try:
         _serve(runner, rank, conn, parent_pid)
     finally:
+        runner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noqa: ANN001
+def _serve(runner: "ModelRunner", rank: int, conn: Connection, parent_pid: int) -> None:
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent_pid:      # the engine died: do not linger as an orphan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphcp.pd.layer_split import ScratchPages, _grown
+from graphcp.kv.layer_split import ScratchPages, _grown
 
 
 def test_scratch_renumbers_the_batch_pages_and_back():

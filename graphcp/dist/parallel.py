@@ -57,6 +57,22 @@ class RankParallel:
                    me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device,
                    [rank_of(args, me.pp_rank, me.dp_rank, c, me.attn_tp_rank) for c in range(args.cp_size)])
 
+    def average(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of ``values`` over every rank."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return values
+        t = values.to(self.device)
+        all_reduce(t, None)
+        return (t / torch.distributed.get_world_size()).cpu()
+
+    def min_over_world(self, value: int) -> int:
+        """The smallest ``value`` over every rank (pool sizes must agree everywhere)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t.item())
+
     def all_ranks_agree(self, ok: bool) -> bool:
         """All-rank AND over the CP group (graph capture keeps the same buckets on every rank)."""
         if self.comm is None:

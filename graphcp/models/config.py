@@ -56,6 +56,7 @@ class ModelConfig:
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
+    attention_kinds: tuple[str, ...] = ()   # per layer: the attention kind (graphcp/attention/kinds.py)
 
     @property
     def q_size(self) -> int:
@@ -137,6 +138,7 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
         cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)
+    cfg = replace(cfg, attention_kinds=("dsa" if cfg.dsa is not None else "gqa",) * cfg.num_hidden_layers)
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)

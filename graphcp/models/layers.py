@@ -1,5 +1,5 @@
-"""Small layers shared by the llama family: RMSNorm and the rotary embedding (one Triton launch each
-on CUDA once ``probe_layer_kernels`` has checked them at start; the torch forms are HF's)."""
+"""Small layers shared by the model families: RMSNorm and the rotary embedding (one Triton launch each
+on CUDA once their start-up check accepted them, ``kernels/probes.py``; the torch forms are HF's)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from graphcp.models.config import ModelConfig
-from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.kernels.registry import chosen
+from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -18,7 +20,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # noqa: ANN201
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the add fused on CUDA."""
-        fn = checked_kernel("rms_norm") if x.is_cuda else None
+        fn = chosen("rms_norm") if x.is_cuda else None
         if fn is not None and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
                 residual is None or (x.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype)):
             return fn(x, self.weight, self.eps, residual)
@@ -29,13 +31,6 @@ class RMSNorm(nn.Module):
             return rms_norm_torch(x, self.weight, self.eps)
         total = residual + x
         return rms_norm_torch(total, self.weight, self.eps), total
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 statistics, then back to the input dtype before the weight, as the HF reference does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -85,34 +80,8 @@ class RotaryEmbedding(nn.Module):
             sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
             cached = self._last = (positions, cos, sin)
         _, cos, sin = cached
-        fn = checked_kernel("rope") if q.is_cuda else None
+        fn = chosen("rope") if q.is_cuda else None
         if fn is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
             return fn(q, cos2, sin2), fn(k, cos2, sin2)
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
-
-
-def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, 1, D]: the HF form, rounding in x's dtype after each op."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def probe_layer_kernels(device: torch.device, dtype: torch.dtype) -> None:
-    """Check each Triton layer op once on small inputs shaped like the model's (strided q/k heads, the
-    residual form of RMSNorm). Runs eagerly at engine start on CUDA."""
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device, dtype)
-
-    x, res, w = rand(7, 96), rand(7, 96), rand(96)
-    fused_or_torch("rms_norm", lambda fn: fn(x, w, 1e-6, res),
-                   lambda: (rms_norm_torch(res + x, w, 1e-6), res + x))
-    qkv, cos, sin = rand(7, 6, 64), rand(7, 64), rand(7, 64)
-    q = qkv[:, :4]                                  # a strided view, as the fused qkv output gives
-    fused_or_torch("rope", lambda fn: fn(q, cos, sin), lambda: rope_torch(q, cos[:, None], sin[:, None]))
