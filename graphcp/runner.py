@@ -34,7 +34,7 @@ from graphcp.kernels.registry import chosen
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
 from graphcp.models import fp8, load_model
-from graphcp.models.families import check_model_flags
+from graphcp.models.flags import check_model_flags
 from graphcp.models.moe import probe_experts
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range
