@@ -48,7 +48,7 @@ def merge(cmd: str, replies: list[Any]) -> Any:
     if cmd == "prefill":
         return _merge_prefill([r for r in replies if r is not None])
     if cmd == "kv_cache":      # CP ranks hold the same cache, except under LayerSplit (each its own layers)
-        return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["layer_split"])])
+        return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["some_layers"])])
     if cmd == "transfer_kv":
         from graphcp.pd.sender import merge_reports
         return merge_reports(replies)

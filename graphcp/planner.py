@@ -14,7 +14,7 @@ import torch
 
 from graphcp.batch import Request, validate_requests
 from graphcp.config import EngineArgs
-from graphcp.cp.plan import LayoutPlan
+from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 from graphcp.errors import RequestError
 from graphcp.forward_batch import BatchInputs

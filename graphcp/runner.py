@@ -20,14 +20,14 @@ from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, resolve_dtype
 from graphcp.cp.adaptive import adaptive_strategy
-from graphcp.cp.plan import LayoutPlan
+from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 from graphcp.dist.comm import recv, send
 from graphcp.dist.parallel import RankParallel
 from graphcp.errors import ConfigError
-from graphcp.forward_batch import BatchInputs, ForwardBatch
+from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
 from graphcp.forward_context import forward_context
-from graphcp.graph.buffers import Descriptors, GraphInputs
+from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.protocol import GraphCaptureError
 from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kernels.registry import chosen
@@ -244,11 +244,9 @@ class ModelRunner:
         layers = [self.attention.export(layer, self.pool.read(layer, slots)) for layer in held]
         me = self.par.me
         return {"first_layer": held.start, "attn_tp_rank": me.attn_tp_rank, "cp_rank": me.cp_rank,
-                "layers": layers, "layer_split": held != self.par.layers}
+                "layers": layers, "some_layers": held != self.par.layers}
 
     def transfer_kv(self, rid: str, destination: dict) -> dict | None:
-        if self.sender is None:
-            raise ConfigError("transfer_kv needs --disaggregation-mode prefill")
         from graphcp.pd.sender import transfer_kv
         return transfer_kv(self.planner, self.sender, rid, destination)
 

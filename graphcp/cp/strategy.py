@@ -3,12 +3,27 @@ kernels and graphs. Nothing outside ``cp/`` needs to know what zigzag or interle
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
-from graphcp.cp.plan import HostMaxima, LayoutPlan
+from graphcp.cp.plan import HostMaxima
+
+
+@dataclass
+class LayoutPlan:
+    """A batch's layout, decided once on the host (``ContextParallelStrategy.plan``): the strategy it runs
+    with, what each CP rank holds, the padded local capacity and this rank's host maxima. The planner makes
+    it; the runner, the attention ops and the graphs only read it."""
+    strategy: "ContextParallelStrategy"  # the strategy the batch runs with (unsharded when CP is off)
+    cp_applied: bool                     # False: every rank holds the whole batch
+    per_rank_tokens: list[int]           # real new tokens each CP rank holds
+    local_cap: int                       # rows of this rank's padded buffers (>= 1)
+    host: HostMaxima                     # this rank's host maxima
+    whole_on: list[int] | None = None    # adaptive CP: 0 split, r + 1 whole on CP rank r
+    unsharded_reason: str | None = None  # why a CP group runs the batch unsharded
 
 
 class ContextParallelStrategy:

@@ -152,9 +152,11 @@ def start_sender(args: EngineArgs, model_config: ModelConfig, pool: PagedPool,
                     args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s)
 
 
-def transfer_kv(planner: "Planner", sender: KVSender, rid: str, destination: dict) -> dict | None:
+def transfer_kv(planner: "Planner", sender: KVSender | None, rid: str, destination: dict) -> dict | None:
     """The ``transfer_kv`` command on one rank (``planner`` knows the request's pages): None on ranks
     whose DP group does not hold ``rid``."""
+    if sender is None:
+        raise ConfigError("transfer_kv needs --disaggregation-mode prefill")
     if planner.owner(rid) is None:
         raise RequestError(f"request {rid!r} is unknown: it holds no cached KV")
     state = planner.pages.requests.get(rid)

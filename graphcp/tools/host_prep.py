@@ -10,7 +10,7 @@ import torch
 
 from graphcp.batch import Request
 from graphcp.cp.strategy import make_strategy
-from graphcp.graph.buffers import Descriptors
+from graphcp.forward_batch import Descriptors
 from graphcp.planner import Planner
 
 
