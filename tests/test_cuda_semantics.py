@@ -224,13 +224,17 @@ def test_one_rank_capture_failure_keeps_collectives_matched(checkpoint, oracle, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     for r in (r0, r1):
-        assert r["buckets"] == [16] and "32" in r["failures"]
+        assert r["buckets"] == [16] and "32" in r["failures"] and "64" in r["failures"]
         assert r["mode"] == "eager" and "bucket 32 failed to capture" in r["reason"]
+        assert "bucket 64 failed to capture" in r["larger_reason"]
         assert r["small_mode"] == "graph" and r["small_bucket"] == 16
     assert "another rank failed" in r0["failures"]["32"]        # stats are rank 0's: its own capture passed
+    assert "another rank's eager warmup failed" in r0["failures"]["64"]
     for i, ids in enumerate([list(range(3, 40)), [(7 * i) % 200 for i in range(1, 25)]]):
         ref, _ = oracle(checkpoint, ids)
         assert rel_err(torch.tensor(r0["logits"][i]), ref) <= 1e-4
+    ref, _ = oracle(checkpoint, list(range(1, 101)))
+    assert rel_err(torch.tensor(r0["larger_logits"][0]), ref) <= 1e-4
 
 
 # -- 9: the torch kernel bounds its score memory on long prompts ---------------------------------------

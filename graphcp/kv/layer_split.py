@@ -110,6 +110,10 @@ class LayerSplitPool(PagedPool):
     def has_part(self, layer: int, name: str) -> bool:
         return any(p.name == name for p in self.all_parts[layer])
 
+    def transfer_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """A non-owned layer's parts are its scratch rows (a sender only sends its own layers)."""
+        return tuple(self.part(layer, p.name) for p in self.all_parts[layer])
+
     def map_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return slots if layer in self.owned else self.scratch.map_slots(slots)
 
