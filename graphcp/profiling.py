@@ -1,8 +1,10 @@
-"""NVTX ranges (the nvtx package; free when no profiler is attached), memory readings (this process's
-from torch, the whole GPU's from NVML), and the host-op counter that ``graphcp bench`` reads.
+"""NVTX ranges (the nvtx package; free when no profiler is attached), memory readings (this
+process's from torch, the whole GPU's from NVML), and the host-op counter that ``graphcp bench``
+reads.
 
-Every range is also a ``torch.profiler.record_function`` range while a torch profiler is recording, so
-Nsight and ``graphcp profile`` see the same names. Outside a torch profiler that costs one flag check.
+Every range is also a ``torch.profiler.record_function`` range while a torch profiler is recording,
+so Nsight and ``graphcp profile`` see the same names. Outside a torch profiler that costs one flag
+check.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def nvtx_range(name: str) -> Iterator[None]:
 
 def nvml_bus_id(device: torch.device) -> str | None:
     """The PCI bus id NVML names ``device`` by ("00000000:3B:00.0"). CUDA and NVML number devices
-    differently (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER), so an index is never passed between them."""
+    differently (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER): an index is never passed between them."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     try:
@@ -63,8 +65,8 @@ def nvml_bus_id(device: torch.device) -> str | None:
 
 
 def gpu_memory_used(device: torch.device) -> int | None:
-    """Bytes in use on the whole GPU behind ``device`` (every process on it: another rank sharing the
-    GPU counts too), by NVML; None without pynvml, a driver, or a known bus id."""
+    """Bytes in use on the whole GPU behind ``device`` (every process on it: another rank sharing
+    the GPU counts too), by NVML; None without pynvml, a driver, or a known bus id."""
     try:
         import pynvml
     except ImportError:
@@ -77,7 +79,8 @@ def gpu_memory_used(device: torch.device) -> int | None:
         bus_id = nvml_bus_id(device)
         if bus_id is None:
             return None
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)).used)
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
     except pynvml.NVMLError:
         return None
     finally:
@@ -85,8 +88,8 @@ def gpu_memory_used(device: torch.device) -> int | None:
 
 
 def process_memory(device: torch.device) -> int:
-    """Bytes this process holds for ``device``: torch's reserved pool on CUDA (what a capture adds to,
-    whatever else runs on the GPU), resident memory on CPU."""
+    """Bytes this process holds for ``device``: torch's reserved pool on CUDA (what a capture adds
+    to, whatever else runs on the GPU), resident memory on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     return rss_bytes()

@@ -1,7 +1,7 @@
-"""profiles/gpu_check.py cannot pass vacuously, and says why it stops: no CUDA, a part skipped for the time
-budget, cut short, hung or crashed, and what Triton needs to build its launcher (hidden here by
-monkeypatching the lookups). Also the NVML reading mapped by PCI bus id, never by CUDA index. Fast: the
-full dry run is in test_profiling.py."""
+"""profiles/gpu_check.py cannot pass vacuously, and says why it stops: no CUDA, a part skipped for
+the time budget, cut short, hung or crashed, and what Triton needs to build its launcher (hidden
+here by monkeypatching the lookups). Also the NVML reading mapped by PCI bus id, never by CUDA
+index. Fast: the full dry run is in test_profiling.py."""
 from __future__ import annotations
 
 import json
@@ -27,13 +27,13 @@ from graphcp import profiling  # noqa: E402
 def _run_driver(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict, str]:
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("HF_HUB_OFFLINE", None)                # the driver sets it itself
-    proc = subprocess.run([sys.executable, DRIVER, "--out", str(tmp_path), *args], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, DRIVER, "--out", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     return proc, report, (tmp_path / "gpu_check.md").read_text()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal on a machine without CUDA")
 def test_without_cuda_the_check_fails_and_says_why(tmp_path):
     proc, report, md = _run_driver(tmp_path=tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -44,7 +44,8 @@ def test_without_cuda_the_check_fails_and_says_why(tmp_path):
 
 
 def test_a_part_skipped_for_the_time_budget_is_incomplete(tmp_path):
-    proc, report, md = _run_driver("--dry-run", "--budget-s", "1", "--parts", "a", tmp_path=tmp_path)
+    proc, report, md = _run_driver("--dry-run", "--budget-s", "1", "--parts", "a",
+                                   tmp_path=tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert report["parts"]["a"]["status"] == INCOMPLETE
     assert report["parts"]["a"]["note"].startswith("not run: time budget")
@@ -55,14 +56,16 @@ def test_a_part_skipped_for_the_time_budget_is_incomplete(tmp_path):
 
 def _report_with(statuses: dict[str, str]) -> Report:
     rep = Report(dry_run=False, budget_s=100)
-    rep.preflight = [{"item": "CUDA device", "found": True, "needed": True, "ok": True, "detail": ""}]
+    rep.preflight = [{"item": "CUDA device", "found": True, "needed": True, "ok": True,
+                      "detail": ""}]
     for key, status in statuses.items():
         rep.set_part(key, key, status, "")
     return rep
 
 
 def test_verdict_passes_only_when_everything_ran_and_passed():
-    assert (_report_with({"a": OK, "b": OK}).verdict, _report_with({"a": OK}).exit_code) == ("passed", 0)
+    assert _report_with({"a": OK, "b": OK}).verdict == "passed"
+    assert _report_with({"a": OK}).exit_code == 0
     assert _report_with({"a": OK, "b": INCOMPLETE}).exit_code == 2
     assert _report_with({"a": FAILED, "b": INCOMPLETE}).exit_code == 1
     rep = _report_with({"a": OK})
@@ -112,8 +115,9 @@ def test_a_part_cut_short_reports_incomplete(monkeypatch, tmp_path):
     assert rep.parts["z"]["status"] == INCOMPLETE and rep.checks
 
 
-@pytest.mark.parametrize("script, expect", [("import time; time.sleep(60)", "killed: still running"),
-                                            ("import sys; sys.exit(3)", "exited 3 without a report")])
+@pytest.mark.parametrize("script, expect", [
+    ("import time; time.sleep(60)", "killed: still running"),
+    ("import sys; sys.exit(3)", "exited 3 without a report")])
 def test_a_hung_or_crashed_part_is_failed(monkeypatch, tmp_path, script, expect):
     driver = tmp_path / "fake_driver.py"
     driver.write_text(script)
@@ -124,7 +128,7 @@ def test_a_hung_or_crashed_part_is_failed(monkeypatch, tmp_path, script, expect)
     assert rep.parts["z"]["seconds"] < 10
 
 
-# -- the pre-flight ---------------------------------------------------------------------------------
+# -- the pre-flight --------------------------------------------------------------------------
 @pytest.fixture
 def bare_machine(monkeypatch, tmp_path):
     """No compiler, no Python.h, no libcuda anywhere Triton or the pre-flight looks."""
@@ -142,7 +146,8 @@ def bare_machine(monkeypatch, tmp_path):
 def test_preflight_names_each_missing_piece(bare_machine):
     rows = {r["item"]: r for r in preflight.run_preflight(dry_run=False)}
     assert "no C compiler" in rows["C compiler"]["detail"] and not rows["C compiler"]["ok"]
-    assert "Python.h does not exist" in rows["Python.h"]["detail"] and "-dev" in rows["Python.h"]["detail"]
+    header = rows["Python.h"]["detail"]
+    assert "Python.h does not exist" in header and "-dev" in header
     assert "libcuda.so.1 not found" in rows["libcuda.so.1"]["detail"]
     assert rows["tiny Triton kernel"]["detail"].startswith("not tried")
     message = preflight.stop_message(list(rows.values()))
@@ -166,7 +171,8 @@ def test_preflight_lookups_follow_triton(bare_machine, monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc")
     assert not preflight.find_c_compiler()[0]
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(preflight.shutil, "which", lambda name: "/usr/bin/cc" if name == "cc" else None)
+    monkeypatch.setattr(preflight.shutil, "which",
+                        lambda name: "/usr/bin/cc" if name == "cc" else None)
     found, detail = preflight.find_c_compiler()       # Triton never tries plain cc by itself
     assert not found and "export CC=/usr/bin/cc" in detail
     (bare_machine / "include" / "Python.h").write_text("")
@@ -182,14 +188,14 @@ def test_preflight_on_a_dry_run_needs_only_triton(bare_machine, monkeypatch):
     assert not next(r for r in rows if r["item"] == "C compiler")["found"]      # shown, not needed
 
 
-# -- NVML by PCI bus id -------------------------------------------------------------------------------
+# -- NVML by PCI bus id ----------------------------------------------------------------------
 class _FakeNVMLError(Exception):
     pass
 
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    """CUDA sees the GPUs at buses 3B and 86 as devices 0 and 1; NVML numbers them the other way round."""
+    """CUDA sees the GPUs at buses 3B and 86 as devices 0 and 1; NVML numbers them the other way."""
     handles = {"00000000:3B:00.0": "gpu-3b", "00000000:86:00.0": "gpu-86"}
     used = {"gpu-3b": 30 << 30, "gpu-86": 80 << 30}
 
@@ -200,7 +206,8 @@ def two_gpus(monkeypatch):
 
     fake = types.SimpleNamespace(
         NVMLError=_FakeNVMLError, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
-        nvmlDeviceGetHandleByPciBusId=by_bus, nvmlDeviceGetHandleByIndex=["gpu-86", "gpu-3b"].__getitem__,
+        nvmlDeviceGetHandleByPciBusId=by_bus,
+        nvmlDeviceGetHandleByIndex=["gpu-86", "gpu-3b"].__getitem__,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=used[h], total=141 << 30))
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     props = [types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0),
@@ -214,9 +221,9 @@ def test_nvml_reading_maps_the_device_by_bus_id(two_gpus, monkeypatch):
     assert profiling.gpu_memory_used(torch.device("cuda", 0)) == 30 << 30
     assert profiling.gpu_memory_used(torch.device("cuda", 1)) == 80 << 30
     assert profiling.gpu_memory_used(torch.device("cuda")) == 80 << 30       # the current device
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x11, pci_device_id=0))
-    assert profiling.gpu_memory_used(torch.device("cuda", 0)) is None        # a bus NVML does not know
+    unknown = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x11, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: unknown)
+    assert profiling.gpu_memory_used(torch.device("cuda", 0)) is None     # a bus NVML does not know
 
 
 def test_nvml_without_a_driver_or_package(two_gpus, monkeypatch):

@@ -1,6 +1,7 @@
-"""Part b: Triton attention TFLOP/s at 8k and 32k causal (CUDA events, median; FLOPs = 4 q kv heads d / 2),
-with torch SDPA (flash) and flashinfer (when installed) alongside, and a sweep of Triton tile shapes at
-head_dim 128 so the defaults in ``triton_attention._blocks`` can follow measurements."""
+"""Part b: Triton attention TFLOP/s at 8k and 32k causal (CUDA events, median; FLOPs = 4 q kv heads
+d / 2), with torch SDPA (flash) and flashinfer (when installed) alongside, and a sweep of Triton
+tile shapes at head_dim 128 so the defaults in ``triton_attention._blocks`` can follow measurements.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
@@ -26,8 +27,8 @@ def _tile_sweep(rep: Report, kernel: Callable[..., Any], args: tuple, reps: int,
             rep.cut(f"tile sweep after {i} of {len(TILE_SWEEP)} configs")
             break
         try:
-            ms = cuda_ms(lambda: kernel(*args, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages),
-                         1, reps)
+            ms = cuda_ms(lambda: kernel(*args, block_m=bm, block_n=bn, num_warps=warps,
+                                        num_stages=stages), 1, reps)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one config
             notes.append(f"tiles {bm}x{bn} w{warps} s{stages}: {type(e).__name__}")
             continue
@@ -46,12 +47,13 @@ def run(rep: Report, workdir: str) -> str:
         if rep.left() < 10:
             rep.cut(f"attention shapes {[s[0] for s in SHAPES[i:]]}")
             break
-        q, kp, vp, cu, rows, lim = paged_case([tokens], [0], hq, hkv, d, 16, 0, torch.bfloat16, "cuda",
-                                              seed=tokens)
+        q, kp, vp, cu, rows, lim = paged_case([tokens], [0], hq, hkv, d, 16, 0, torch.bfloat16,
+                                              "cuda", seed=tokens)
         out = torch.empty_like(q)
         scale = d ** -0.5
         reps = 10 if tokens <= 8192 else 5
-        ms = cuda_ms(lambda: triton_paged_attention(q, kp, vp, cu, rows, lim, 16, scale, 0, 0, out), 2, reps)
+        args = (q, kp, vp, cu, rows, lim, 16, scale, 0, 0, out)     # 0, 0: the capturable call
+        ms = cuda_ms(lambda: triton_paged_attention(*args), 2, reps)
         flops = 4 * tokens * tokens * hq * d / 2
         row = {"shape": f"causal {tokens} tokens, h{hq}/{hkv}, d{d}, page 16", "tokens": tokens,
                "head_dim": d, "triton_ms": ms, "triton_tflops": flops / ms / 1e9,
@@ -66,11 +68,10 @@ def run(rep: Report, workdir: str) -> str:
         except Exception as e:  # noqa: BLE001
             notes.append(f"SDPA yardstick failed: {type(e).__name__}")
         for fi_name, fi_fn in flashinfer_kernels(rep, torch.bfloat16, d):
-            f_ms = cuda_ms(lambda: fi_fn(q, kp, vp, cu, rows, lim, 16, scale, tokens, tokens, out), 2, reps)
+            f_ms = cuda_ms(lambda: fi_fn(*args[:8], tokens, tokens, out), 2, reps)
             row.update(flashinfer=fi_name, flashinfer_ms=f_ms, flashinfer_tflops=flops / f_ms / 1e9)
         if d == 128:
-            row["tiles"] = _tile_sweep(rep, triton_paged_attention,
-                                       (q, kp, vp, cu, rows, lim, 16, scale, 0, 0, out), reps, notes)
+            row["tiles"] = _tile_sweep(rep, triton_paged_attention, args, reps, notes)
         rep.kernel_perf.append(row)
         print(f"   {row['shape']}: triton {ms:.3f} ms = {row['triton_tflops']:.1f} TFLOP/s "
               f"({row['pct_peak']:.1f}% of peak)", flush=True)

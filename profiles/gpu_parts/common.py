@@ -1,4 +1,5 @@
-"""Helpers the parts share: timing, error metrics, the test checkpoint, engine arguments, prefills."""
+"""Helpers the parts share: timing, error metrics, the test checkpoint, engine arguments, prefills.
+"""
 from __future__ import annotations
 
 import importlib.util
@@ -63,7 +64,8 @@ def cuda_ms(fn: Callable[[], Any], warmup: int, reps: int) -> float:
 
 # -- the model parts' checkpoint, engines and batches -------------------------------------------
 def checkpoint(rep: Report, workdir: str) -> str:
-    """The demo-size Qwen3 on a dry run, else a ~1B random Llama (bf16); written once per workdir."""
+    """The demo-size Qwen3 on a dry run, else a ~1B random Llama (bf16); written once per workdir.
+    """
     import torch
 
     from graphcp.models.random_checkpoint import DEMO_QWEN3, LLAMA_1B, make_random_checkpoint
@@ -77,8 +79,8 @@ def checkpoint(rep: Report, workdir: str) -> str:
 
 
 def engine_args(rep: Report, path: str, buckets: tuple[int, ...], **kw: Any) -> Any:
-    """On the GPU the Triton attention kernel is asked for by name: a probe failure is then an error,
-    not a silent fall back to the torch kernel (which would void the graph checks' point)."""
+    """On the GPU the Triton attention kernel is asked for by name: a probe failure is then an
+    error, not a silent fall back to the torch kernel (which would void the graph checks' point)."""
     from graphcp import EngineArgs
     if rep.dry_run:
         return EngineArgs(model_path=path, device="cpu", max_total_tokens=4096,
@@ -88,7 +90,8 @@ def engine_args(rep: Report, path: str, buckets: tuple[int, ...], **kw: Any) -> 
                       cuda_graph_buckets=buckets, **kw)
 
 
-def random_batch(vocab: int, n: int, length: int, tag: str, seed: int) -> list[tuple[str, list[int]]]:
+def random_batch(vocab: int, n: int, length: int, tag: str,
+                 seed: int) -> list[tuple[str, list[int]]]:
     import torch
     gen = torch.Generator().manual_seed(seed)
     return [(f"{tag}_{i}", torch.randint(0, vocab, (length,), generator=gen).tolist())
@@ -107,7 +110,8 @@ def prefill(engine: Any, batch: list[tuple[str, list[int]]], force_eager: bool =
 
 def time_prefill(engine: Any, batch: list[tuple[str, list[int]]], force_eager: bool,
                  reps: int) -> float:
-    """Median wall milliseconds of a prefill (after one warm call: kernel specializations, allocator)."""
+    """Median wall milliseconds of a prefill (after one warm call: kernel specializations,
+    allocator)."""
     prefill(engine, batch, force_eager)
     times = []
     for _ in range(reps):

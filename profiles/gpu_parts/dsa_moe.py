@@ -1,9 +1,10 @@
-"""Part g: the DSA Triton kernels (indexer scoring, sparse MLA) and the grouped expert GEMM against their
-torch forms run in fp32 on the same inputs (Triton's interpreter on a dry run), with their times.
+"""Part g: the DSA Triton kernels (indexer scoring, sparse MLA) and the grouped expert GEMM against
+their torch forms run in fp32 on the same inputs (Triton's interpreter on a dry run), with their
+times.
 
 The indexer must also write -inf exactly past each row's causal limit: top-k reads that pattern to
-skip invisible keys, so a kernel leaving scores there would pass a finite-only comparison and then pick
-future tokens."""
+skip invisible keys, so a kernel leaving scores there would pass a finite-only comparison and then
+pick future tokens."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -32,19 +33,21 @@ def run(rep: Report, workdir: str) -> str:
     from graphcp.models.moe import _experts_torch as experts_torch
     dev = device_of(rep)
     dtype = torch.float32 if rep.dry_run else torch.bfloat16
-    tol = 1e-5 if rep.dry_run else 1e-2          # bf16 output rounding against fp32 (2^-8 of the max)
+    tol = 1e-5 if rep.dry_run else 1e-2        # bf16 output rounding against fp32: 2^-8 of the max
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dev, dtype)
 
-    # Indexer: rows x heads x dim queries over a sequence's keys; every row but the last sees only part.
-    rows, heads, dim, keys, topk = (6, 16, 32, 40, 8) if rep.dry_run else (4096, 64, 128, 8192, 2048)
-    q, w, index_keys = rand(rows, heads, dim), torch.randn(rows, heads, generator=gen).to(dev), rand(keys, dim)
+    # Indexer: rows x heads x dim queries over a sequence's keys; all rows but the last see a part.
+    sizes = (6, 16, 32, 40, 8) if rep.dry_run else (4096, 64, 128, 8192, 2048)
+    rows, heads, dim, keys, topk = sizes
+    q, index_keys = rand(rows, heads, dim), rand(keys, dim)
+    w = torch.randn(rows, heads, generator=gen).to(dev)
     slots = torch.randperm(keys, generator=gen).view(1, keys).to(dev)
     row_seq = torch.zeros(rows, dtype=torch.long, device=dev)
     limits = torch.linspace(keys // 2, keys, rows).long().to(dev)
-    want = dsa_torch.indexer_scores(q, w, index_keys, slots, row_seq, limits)     # fp32 by construction
+    want = dsa_torch.indexer_scores(q, w, index_keys, slots, row_seq, limits)   # fp32 throughout
     got = triton_dsa.indexer_scores(q, w, index_keys, slots, row_seq, limits)
     name = f"DSA indexer {rows}x{heads}x{dim} over {keys} keys"
     seen = torch.isfinite(want)
@@ -67,12 +70,14 @@ def run(rep: Report, workdir: str) -> str:
     weights = torch.rand(n, k, generator=gen).to(dev, dtype)
     ref = experts_torch(x.float(), ids, weights.float(), gate_up.float(), down.float(), 0)
     out = triton_experts(x, ids, weights, gate_up, down, 0)
-    rep.check("g", f"grouped experts {n} tokens top-{k} over {experts} experts vs fp32", "max rel err",
-              rel_err(out.float().cpu(), ref.cpu()), 1e-4 if rep.dry_run else 3e-2)
+    rep.check("g", f"grouped experts {n} tokens top-{k} over {experts} experts vs fp32",
+              "max rel err", rel_err(out.float().cpu(), ref.cpu()), 1e-4 if rep.dry_run else 3e-2)
     if rep.dry_run:
         return "interpreter, tiny shapes"
-    ms = {"indexer": cuda_ms(lambda: triton_dsa.indexer_scores(q, w, index_keys, slots, row_seq, limits), 2, 5),
-          "sparse_mla": cuda_ms(lambda: triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.1, latent), 2, 5),
+    index_args = (q, w, index_keys, slots, row_seq, limits)
+    mla_args = (q_mla, kv, selected, shown, 0.1, latent)
+    ms = {"indexer": cuda_ms(lambda: triton_dsa.indexer_scores(*index_args), 2, 5),
+          "sparse_mla": cuda_ms(lambda: triton_dsa.sparse_mla(*mla_args), 2, 5),
           "experts": cuda_ms(lambda: triton_experts(x, ids, weights, gate_up, down, 0), 2, 5),
           "experts_torch": cuda_ms(lambda: experts_torch(x, ids, weights, gate_up, down, 0), 1, 3)}
     rep.info["dsa_moe_kernel_ms"] = ms

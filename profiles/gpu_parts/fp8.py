@@ -1,5 +1,5 @@
-"""Part e: the block-scaled FP8 GEMM (Triton) against its torch form and the dequantized product, and its
-TFLOP/s at the 1B model's FFN shapes next to bf16 torch.matmul."""
+"""Part e: the block-scaled FP8 GEMM (Triton) against its torch form and the dequantized product,
+and its TFLOP/s at the 1B model's FFN shapes next to bf16 torch.matmul."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +18,9 @@ FP8_GEMM_MODULE = "graphcp.kernels.triton_fp8_gemm"
 
 def _fp8_case(m: int, n: int, k: int, offset: int, dtype: torch.dtype, device: str,
               seed: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """x [m, k], an FP8 weight [n, k] whose column 0 sits ``offset`` into its 128-block (a column shard),
-    random block scales, and the weight dequantized in fp32 (the torch form it stands for)."""
+    """x [m, k], an FP8 weight [n, k] whose column 0 sits ``offset`` into its 128-block (a column
+    shard), random block scales, and the weight dequantized in fp32 (the torch form it stands for).
+    """
     import torch
 
     from graphcp.models import fp8
@@ -38,7 +39,8 @@ def _fp8_case(m: int, n: int, k: int, offset: int, dtype: torch.dtype, device: s
 
 def run(rep: Report, workdir: str) -> str:
     import torch
-    if importlib.util.find_spec("triton") is None or importlib.util.find_spec(FP8_GEMM_MODULE) is None:
+    find = importlib.util.find_spec
+    if find("triton") is None or find(FP8_GEMM_MODULE) is None:
         if rep.dry_run:
             raise SkipPart("triton or the FP8 GEMM is not installed")
         raise RuntimeError(f"cannot test the FP8 GEMM: triton or {FP8_GEMM_MODULE} is missing")
@@ -46,11 +48,11 @@ def run(rep: Report, workdir: str) -> str:
     from graphcp.models.fp8 import fp8_linear_torch
     device = device_of(rep)
     if not rep.dry_run and torch.cuda.get_device_capability() < (8, 9):
-        raise SkipPart("no FP8 tensor cores (compute capability < 8.9): graphcp dequantizes FP8 at load")
+        raise SkipPart("no FP8 tensor cores (compute capability < 8.9): FP8 is dequantized at load")
     dtype = torch.float32 if rep.dry_run else torch.bfloat16
-    # Against the torch form (same activation quantization): summation order, and the output's rounding.
+    # Against the torch form (same activation quantization): summation order, the output's rounding.
     tol_form = 1e-5 if rep.dry_run else 1e-2
-    # Against the dequantized product: e4m3 activations carry 3 mantissa bits (each element within 2^-4
+    # Against the dequantized product: e4m3 activations carry 3 mantissa bits (each within 2^-4
     # of itself); over a K-long sum that averages to a few percent of the output (2-3% measured).
     tol_dense = 5e-2
     cases = ([(5, 192, 256, 0), (33, 192, 256, 80)] if rep.dry_run else
@@ -82,7 +84,8 @@ def _timings(rep: Report, triton_fp8_linear: Any, dtype: torch.dtype) -> None:
             fp8_ms = cuda_ms(lambda: triton_fp8_linear(x, w), 3, 10)
             bf16_ms = cuda_ms(lambda: torch.matmul(x, w_bf16.t()), 3, 10)
             row = {"shape": f"{label} {m}x{n}x{k}", "m": m, "fp8_ms": fp8_ms,
-                   "fp8_tflops": flops / fp8_ms / 1e9, "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9}
+                   "fp8_tflops": flops / fp8_ms / 1e9, "bf16_ms": bf16_ms,
+                   "bf16_tflops": flops / bf16_ms / 1e9}
             rep.fp8_perf.append(row)
-            print(f"   {row['shape']}: fp8 {fp8_ms:.3f} ms = {row['fp8_tflops']:.0f} TFLOP/s, bf16 matmul "
-                  f"{bf16_ms:.3f} ms = {row['bf16_tflops']:.0f} TFLOP/s", flush=True)
+            print(f"   {row['shape']}: fp8 {fp8_ms:.3f} ms = {row['fp8_tflops']:.0f} TFLOP/s, "
+                  f"bf16 matmul {bf16_ms:.3f} ms = {row['bf16_tflops']:.0f} TFLOP/s", flush=True)

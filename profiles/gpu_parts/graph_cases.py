@@ -1,8 +1,9 @@
 """Graph replay vs eager on batches that fill no bucket exactly (parts c and d, at CP 1 and CP 2).
 
-Every timing shape of part c fills its bucket and every request there is fresh; here the bucket is padded
-(1x200 replays the 256 bucket, 3x300 the 1024 one) and some requests extend a cached prefix (the second
-chunk of a request, alone or beside a fresh one), so the kernels read KV the graph wrote and skip padding.
+Every timing shape of part c fills its bucket and every request there is fresh; here the bucket is
+padded (1x200 replays the 256 bucket, 3x300 the 1024 one) and some requests extend a cached prefix
+(the second chunk of a request, alone or beside a fresh one), so the kernels read KV the graph wrote
+and skip padding.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ Case = tuple[str, list[tuple[int, int]]]     # name, [(cached prefix, new tokens
 
 def cases(dry_run: bool, cp_size: int) -> list[Case]:
     """Shapes whose CP-local tokens pad a bucket by at most 2x (past that the planner runs eagerly):
-    GPU buckets (256, 1024, ...) at CP 1 and (128, 512, 1024) at CP 2; dry-run buckets (16, 32, 64)."""
+    GPU buckets (256, 1024, ...) at CP 1 and (128, 512, 1024) at CP 2; dry-run buckets (16, 32, 64).
+    """
     if not dry_run:
         return [("1x200", [(0, 200)]), ("3x300", [(0, 300)] * 3),
                 ("2nd chunk 300+200", [(300, 200)]),
@@ -31,14 +33,15 @@ def cases(dry_run: bool, cp_size: int) -> list[Case]:
 
 
 def _run_path(engine: Any, tag: str, tokens: list[tuple[list[int], list[int]]], eager: bool) -> Any:
-    """Prefill the cached prefixes, then the new chunks, in one mode; release every request after."""
+    """Prefill the cached prefixes, then the new chunks, in one mode; release every request after.
+    """
     rids = [f"{tag}-{'eager' if eager else 'graph'}-{j}" for j in range(len(tokens))]
     try:
         first = [(rid, pre) for rid, (pre, _) in zip(rids, tokens) if pre]
         if first:
             prefill(engine, first, force_eager=eager, release=False)
-        return prefill(engine, [(rid, new) for rid, (_, new) in zip(rids, tokens)], force_eager=eager,
-                       release=False)
+        chunks = [(rid, new) for rid, (_, new) in zip(rids, tokens)]
+        return prefill(engine, chunks, force_eager=eager, release=False)
     finally:
         for rid in rids:
             engine.release(rid)
@@ -59,8 +62,9 @@ def run_cases(rep: Report, part: str, engine: Any, vocab: int, case_list: list[C
         e = _run_path(engine, tag, tokens, eager=True)
         label = f"{prefix} {name}"
         real = max(g.per_rank_tokens) if g.per_rank_tokens else sum(n for _, n in requests)
-        rep.check(part, f"graph vs eager logits {label}", "max rel err", rel_err(g.logits, e.logits), tol,
-                  mode=g.mode, bucket=g.graph_bucket, tokens_per_rank=real)
+        rep.check(part, f"graph vs eager logits {label}", "max rel err",
+                  rel_err(g.logits, e.logits), tol, mode=g.mode, bucket=g.graph_bucket,
+                  tokens_per_rank=real)
         require_graph(rep, part, label, g.mode, g.eager_reason)
         padded = g.graph_bucket is not None and g.graph_bucket > real
         rep.check(part, f"bucket padded {label}", "bucket filled exactly (1) / padded (0)",

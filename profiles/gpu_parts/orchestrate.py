@@ -1,8 +1,10 @@
-"""Running the parts: one child process per part, each under its own time budget, and a hard watchdog.
+"""Running the parts: one child process per part, each under its own time budget, and a hard
+watchdog.
 
-A child process per part means a CUDA fault (a sticky illegal-address error poisons the whole context),
-a hang in a collective or a crash costs that part only: it is killed with its rank processes and
-recorded FAILED with the tail of its output, and the next part starts on a fresh context.
+A child process per part means a CUDA fault (a sticky illegal-address error poisons the whole
+context), a hang in a collective or a crash costs that part only: it is killed with its rank
+processes and recorded FAILED with the tail of its output, and the next part starts on a fresh
+context.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .common import SkipPart
 from .report import FAILED, INCOMPLETE, OK, Report
 
 GRACE_S = 8.0            # a child past its budget by this much is killed
-MIN_START_FRACTION = 0.5  # a part starts only with at least this share of its budget left in the run
+MIN_START_FRACTION = 0.5  # a part starts only with this share of its budget left in the run
 _current: dict[str, Any] = {}   # the running child, for the watchdog
 
 
@@ -35,7 +37,8 @@ def title(part: Part | str) -> str:
 
 # -- in the child ---------------------------------------------------------------------------------
 def child_main(key: str, dry_run: bool, workdir: str, budget_s: float, result_path: str) -> int:
-    """Run one part and write its report as JSON; the exit code is 0 whenever the JSON was written."""
+    """Run one part and write its report as JSON; the exit code is 0 whenever the JSON was written.
+    """
     part = next(p for p in PARTS if p.key == key)
     module = importlib.import_module(f"{__package__}.{part.module}")
     rep = Report(dry_run, budget_s)
@@ -67,25 +70,27 @@ def run_parts(rep: Report, keys: str, driver: str, workdir: str, run_budget_s: f
             continue
         left = run_budget_s - rep.elapsed()
         if left < MIN_START_FRACTION * part.budget(rep.dry_run):
-            rep.set_part(part.key, name, INCOMPLETE, f"not run: time budget ({left:.0f} s left of the run, "
-                         f"part budget {part.budget(rep.dry_run):.0f} s)")
+            rep.set_part(part.key, name, INCOMPLETE, f"not run: time budget ({left:.0f} s left of "
+                         f"the run, part budget {part.budget(rep.dry_run):.0f} s)")
             continue
         run_child(rep, part, name, driver, workdir, min(part.budget(rep.dry_run), left))
         p = rep.parts[part.key]
-        print(f"   part {part.key}: {p['status']} in {p['seconds']} s {('- ' + p['note']) if p['note'] else ''}",
-              flush=True)
+        print(f"   part {part.key}: {p['status']} in {p['seconds']} s"
+              + (f" - {p['note']}" if p["note"] else ""), flush=True)
 
 
-def run_child(rep: Report, part: Part, name: str, driver: str, workdir: str, budget_s: float) -> None:
+def run_child(rep: Report, part: Part, name: str, driver: str, workdir: str,
+              budget_s: float) -> None:
     result = os.path.join(workdir, f"part_{part.key}.json")
     if os.path.exists(result):
         os.remove(result)
     cmd = [sys.executable, driver, "--part", part.key, "--workdir", workdir, "--result", result,
            "--budget-s", f"{budget_s:.1f}"] + (["--dry-run"] if rep.dry_run else [])
     t = time.monotonic()
-    rep.set_part(part.key, name, FAILED, "still running")       # what the watchdog finds if it fires
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)             # its own group: rank processes die with it
+    rep.set_part(part.key, name, FAILED, "still running")     # what the watchdog finds if it fires
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}             # the tail is complete if it is killed
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)   # its own group: its ranks die with it
     tail: collections.deque[str] = collections.deque(maxlen=25)
     reader = threading.Thread(target=_relay, args=(proc, tail), daemon=True)
     reader.start()
@@ -132,7 +137,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def start_watchdog(rep: Report, hard_limit_s: float, finish: Callable[[], int]) -> threading.Timer:
-    """Past the hard limit: kill the running part, mark what did not finish, write the report, exit."""
+    """Past the hard limit: kill the running part, mark what did not finish, write the report, exit.
+    """
     def fire() -> None:
         running = dict(_current)
         if running:
@@ -142,8 +148,10 @@ def start_watchdog(rep: Report, hard_limit_s: float, finish: Callable[[], int]) 
                 seconds=round(time.monotonic() - running["t0"], 1))
         for part in PARTS:
             if part.key not in rep.parts:
-                rep.set_part(part.key, title(part), INCOMPLETE, "not run: the hard limit was reached")
-        print(f"\ngpu_check: hard time limit {hard_limit_s:.0f} s reached; writing the partial report", flush=True)
+                rep.set_part(part.key, title(part), INCOMPLETE,
+                             "not run: the hard limit was reached")
+        print(f"\ngpu_check: hard time limit {hard_limit_s:.0f} s reached; writing the partial "
+              "report", flush=True)
         try:
             finish()
         finally:

@@ -1,11 +1,11 @@
 """Before any part: is there a GPU, and can Triton build its launcher here?
 
-Triton compiles a small C launcher per kernel signature on first use. That needs a C compiler ($CC, else
-gcc, else clang on PATH), the Python headers (Python.h in sysconfig's include dir) and libcuda.so.1 where
-Triton looks for it ($TRITON_LIBCUDA_PATH, else ``/sbin/ldconfig -p``, else $LD_LIBRARY_PATH). Where one
-is missing, graphcp's attention falls back to torch but the first Triton KV write raises, so every capture
-fails: the check would measure nothing. Each item is looked up the way Triton does and named when missing;
-then one tiny kernel is compiled and launched.
+Triton compiles a small C launcher per kernel signature on first use. That needs a C compiler ($CC,
+else gcc, else clang on PATH), the Python headers (Python.h in sysconfig's include dir) and
+libcuda.so.1 where Triton looks for it ($TRITON_LIBCUDA_PATH, else ``/sbin/ldconfig -p``, else
+$LD_LIBRARY_PATH). Where one is missing, graphcp's attention falls back to torch but the first
+Triton KV write raises, so every capture fails: the check would measure nothing. Each item is looked
+up the way Triton does and named when missing; then one tiny kernel is compiled and launched.
 """
 from __future__ import annotations
 
@@ -16,24 +16,26 @@ import subprocess
 import sysconfig
 import tempfile
 
-# Where drivers put libcuda.so.1 (distro packages, CUDA containers, WSL): searched only to say where it is
-# when Triton's own lookup misses it.
+# Where drivers put libcuda.so.1 (distro packages, CUDA containers, WSL): searched only to say where
+# it is when Triton's own lookup misses it.
 USUAL_LIBCUDA_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/aarch64-linux-gnu",
                       "/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/wsl/lib")
 LDCONFIG = "/sbin/ldconfig"          # Triton runs this exact path
 
 
 def _row(item: str, found: bool, detail: str, needed: bool) -> dict:
-    return {"item": item, "found": found, "needed": needed, "ok": found or not needed, "detail": detail}
+    return {"item": item, "found": found, "needed": needed, "ok": found or not needed,
+            "detail": detail}
 
 
 def check_cuda() -> tuple[bool, str]:
     import torch
     if torch.cuda.is_available():
         cap = ".".join(map(str, torch.cuda.get_device_capability(0)))
-        return True, (f"{torch.cuda.device_count()} device(s); {torch.cuda.get_device_name(0)} (sm {cap}); "
-                      f"torch {torch.__version__} with CUDA {torch.version.cuda}")
-    build = "built without CUDA" if torch.version.cuda is None else f"built with CUDA {torch.version.cuda}"
+        return True, (f"{torch.cuda.device_count()} device(s); {torch.cuda.get_device_name(0)} "
+                      f"(sm {cap}); torch {torch.__version__} with CUDA {torch.version.cuda}")
+    cuda = torch.version.cuda
+    build = "built without CUDA" if cuda is None else f"built with CUDA {cuda}"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return False, (f"torch.cuda.is_available() is False (torch {torch.__version__}, {build}"
                    + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "")
@@ -58,7 +60,8 @@ def find_c_compiler() -> tuple[bool, str]:
 
 
 def python_include_dir() -> str:
-    """The include dir Triton passes to the compiler (Debian's posix_local scheme maps to posix_prefix)."""
+    """The include dir Triton passes to the compiler (Debian's posix_local scheme maps to
+    posix_prefix)."""
     scheme = sysconfig.get_default_scheme()
     if scheme == "posix_local":
         scheme = "posix_prefix"
@@ -97,7 +100,8 @@ def find_libcuda() -> tuple[bool, str]:
     for d in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
         if os.path.isfile(os.path.join(d, "libcuda.so.1")):
             return True, f"{d}/libcuda.so.1 (from $LD_LIBRARY_PATH)"
-    why = f"{LDCONFIG} cannot run" if listing is None else f"{LDCONFIG} -p does not list libcuda.so.1"
+    why = (f"{LDCONFIG} cannot run" if listing is None
+           else f"{LDCONFIG} -p does not list libcuda.so.1")
     elsewhere = [d for d in USUAL_LIBCUDA_DIRS if os.path.isfile(os.path.join(d, "libcuda.so.1"))]
     if elsewhere:
         return False, (f"{why}, so Triton will not find {elsewhere[0]}/libcuda.so.1: "
@@ -107,13 +111,14 @@ def find_libcuda() -> tuple[bool, str]:
 
 
 def triton_cache_writable() -> tuple[bool, str]:
-    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    default = os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    cache = os.environ.get("TRITON_CACHE_DIR") or default
     try:
         os.makedirs(cache, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=cache):
             pass
     except OSError as e:
-        return False, f"{cache} is not writable ({e.strerror}): set TRITON_CACHE_DIR to a writable dir"
+        return False, f"{cache} is not writable ({e.strerror}): set TRITON_CACHE_DIR to one that is"
     return True, cache
 
 
@@ -133,19 +138,22 @@ def tiny_kernel(device: str) -> tuple[bool, str]:
         if not torch.equal(y.cpu(), torch.arange(1, 1001, dtype=torch.float32)):
             return False, "compiled and launched but computed a wrong result"
     except Exception as e:  # noqa: BLE001 - whatever breaks here is what the report must name
-        return False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return False, f"{type(e).__name__}: {first}"
     return True, f"compiled and launched on {device} in {secs:.1f} s"
 
 
 def run_preflight(dry_run: bool) -> list[dict]:
-    """One row per item. On a dry run (Triton's interpreter, no GPU) only Triton itself is needed."""
+    """One row per item. On a dry run (Triton's interpreter, no GPU) only Triton itself is needed.
+    """
     need = not dry_run
     found, detail = check_cuda()
     rows = [_row("CUDA device", found, detail, need)]
     triton = importlib.util.find_spec("triton") is not None
     rows.append(_row("triton", triton, _triton_version() if triton else "not installed", True))
-    for item, finder in (("C compiler", find_c_compiler), ("Python.h", find_python_h),
-                         ("libcuda.so.1", find_libcuda), ("Triton cache dir", triton_cache_writable)):
+    finders = (("C compiler", find_c_compiler), ("Python.h", find_python_h),
+               ("libcuda.so.1", find_libcuda), ("Triton cache dir", triton_cache_writable))
+    for item, finder in finders:
         found, detail = finder()
         rows.append(_row(item, found, detail, need))
     if all(r["ok"] for r in rows):

@@ -1,9 +1,10 @@
 """What a run found: part statuses, correctness checks, measurements, and the overall verdict.
 
-A part is ``ok`` (ran everything it plans and raised nothing), ``FAILED`` (raised, crashed, hung, or was
-killed at its time limit) or ``INCOMPLETE`` (not run here, not selected, or cut short by its time budget).
-The verdict is ``passed`` only when the pre-flight passed, every part is ``ok`` and every check is within
-its tolerance; any ``FAILED`` part or failed check makes it ``FAILED``; else it is ``INCOMPLETE``.
+A part is ``ok`` (ran everything it plans and raised nothing), ``FAILED`` (raised, crashed, hung, or
+was killed at its time limit) or ``INCOMPLETE`` (not run here, not selected, or cut short by its
+time budget). The verdict is ``passed`` only when the pre-flight passed, every part is ``ok`` and
+every check is within its tolerance; any ``FAILED`` part or failed check makes it ``FAILED``; else
+it is ``INCOMPLETE``.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ LISTS = ("checks", "kernel_perf", "timings", "cp", "fp8_perf", "capture")
 
 
 class Report:
-    """One process's results. The driver holds one for the run; each part's child process fills its own
-    and hands it back as JSON (``part_result`` / ``merge_part``)."""
+    """One process's results. The driver holds one for the run; each part's child process fills its
+    own and hands it back as JSON (``part_result`` / ``merge_part``)."""
 
     def __init__(self, dry_run: bool, budget_s: float) -> None:
         self.t0 = time.monotonic()
@@ -43,7 +44,8 @@ class Report:
         return self.budget_s - self.elapsed()
 
     # -- recording -------------------------------------------------------------------------------
-    def check(self, part: str, name: str, metric: str, value: float, tol: float, **extra: Any) -> None:
+    def check(self, part: str, name: str, metric: str, value: float, tol: float,
+              **extra: Any) -> None:
         ok = value <= tol                       # NaN is never within tolerance
         self.checks.append({"part": part, "check": name, "metric": metric, "value": value,
                             "tolerance": tol, "ok": ok, **extra})
@@ -66,12 +68,14 @@ class Report:
                           "status": status})
 
     def set_part(self, key: str, title: str, status: str, note: str, seconds: float = 0.0) -> None:
-        self.parts[key] = {"title": title, "status": status, "note": note, "seconds": round(seconds, 1)}
+        self.parts[key] = {"title": title, "status": status, "note": note,
+                           "seconds": round(seconds, 1)}
 
     # -- between processes -----------------------------------------------------------------------
     def part_result(self, status: str, note: str) -> dict:
         if status == OK and self.cuts:
-            status, note = INCOMPLETE, "; ".join(filter(None, [note, "cut short: " + "; ".join(self.cuts)]))
+            cut = "cut short: " + "; ".join(self.cuts)
+            status, note = INCOMPLETE, f"{note}; {cut}" if note else cut
         return {"status": status, "note": note, "info": self.info,
                 **{name: getattr(self, name) for name in LISTS}}
 
@@ -96,7 +100,8 @@ class Report:
                 failed.append(line)
             elif p["status"] != OK:
                 incomplete.append(line)
-        failed += [f"check out of tolerance: {c['part']} {c['check']}" for c in self.checks if not c["ok"]]
+        failed += [f"check out of tolerance: {c['part']} {c['check']}"
+                   for c in self.checks if not c["ok"]]
         if not self.parts and not failed:
             incomplete.append("no part ran")
         if failed:
@@ -113,7 +118,8 @@ class Report:
 
     def to_json(self) -> dict:
         verdict, why = self.reasons()
-        return {"dry_run": self.dry_run, "budget_s": self.budget_s, "elapsed_s": round(self.elapsed(), 1),
+        return {"dry_run": self.dry_run, "budget_s": self.budget_s,
+                "elapsed_s": round(self.elapsed(), 1),
                 "peak_bf16_tflops_assumed": PEAK_BF16_TFLOPS, "info": self.info,
                 "preflight": self.preflight, "parts": self.parts, "aims": self.aims,
                 **{name: getattr(self, name) for name in LISTS},

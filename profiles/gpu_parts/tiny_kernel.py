@@ -1,4 +1,5 @@
-"""The pre-flight's kernel: as small as a Triton kernel gets, so a failure is the toolchain's, not ours."""
+"""The pre-flight's kernel: as small as a Triton kernel gets, so a failure is the toolchain's, not
+ours."""
 from __future__ import annotations
 
 import torch
