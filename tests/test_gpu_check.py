@@ -128,6 +128,30 @@ def test_a_hung_or_crashed_part_is_failed(monkeypatch, tmp_path, script, expect)
     assert rep.parts["z"]["seconds"] < 10
 
 
+def test_the_indexer_check_catches_scores_left_past_the_causal_limit():
+    from gpu_parts.dsa_moe import _neg_inf_mismatch
+
+    from graphcp.kernels import dsa_torch
+    gen = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(3, 2, 8, generator=gen), torch.randn(10, 8, generator=gen)
+    limits = torch.tensor([4, 7, 10])
+    slots, rows = torch.arange(10).view(1, 10), torch.zeros(3, dtype=torch.long)
+    want = dsa_torch.indexer_scores(q, torch.rand(3, 2, generator=gen), keys, slots, rows, limits)
+    assert _neg_inf_mismatch(want.clone(), want) == 0
+    leaked = torch.where(torch.isneginf(want), torch.zeros_like(want), want)     # 0, not -inf
+    assert _neg_inf_mismatch(leaked, want) == 6 + 3                              # every masked one
+    nan = want.clone()
+    nan[2, 0] = float("nan")
+    assert _neg_inf_mismatch(nan, want) == 1
+
+
+def test_the_check_modules_stay_small():
+    dirs = (PROFILES, os.path.join(PROFILES, "gpu_parts"))
+    sizes = {f: sum(1 for _ in open(os.path.join(d, f))) for d in dirs
+             for f in os.listdir(d) if f.endswith(".py")}
+    assert len(sizes) >= 10 and max(sizes.values()) <= 400, sizes
+
+
 # -- the pre-flight --------------------------------------------------------------------------
 @pytest.fixture
 def bare_machine(monkeypatch, tmp_path):
