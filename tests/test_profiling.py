@@ -56,6 +56,8 @@ def test_gpu_check_dry_run(tmp_path):
     for cp in ("CP1", "CP2"):   # padded buckets and cached prefixes, graph vs eager
         assert {f"bucket padded {cp} 1x{12 if cp == 'CP1' else 20}"} <= names
         assert any(n.startswith(f"graph vs eager logits {cp} 2nd chunk") for n in names)
+        assert any(n.startswith(f"replayed as a graph {cp}") and n.endswith("(first chunk)")
+                   for n in names)
     assert any("-inf past the causal limit" in n for n in names)
     assert any("vs fp32" in n for n in names)
     assert {t["shape"] for t in report["timings"]} == {"1x16", "2x24"}
