@@ -150,7 +150,7 @@ def test_failed_capture_continues_with_a_fresh_pool(monkeypatch):
                                    tensors=lambda: [])
     runner = GraphRunner(lambda batch: torch.zeros(1), inputs, torch.device("cuda"), agree=lambda ok: ok,
                          collective_breaks=False)
-    monkeypatch.setattr("graphcp.graph.runner._memory", lambda device: 0)
+    monkeypatch.setattr("graphcp.graph.runner.process_memory", lambda device: 0)
     runner.capture_all([16, 32], lambda bucket, seed: (None, None))
     assert runner.buckets == [16] and "not permitted" in runner.failures[32]
     assert runner.pool == "pool1" and len(streams) == 1

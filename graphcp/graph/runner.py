@@ -14,13 +14,12 @@ from typing import Any, Callable
 
 import torch
 
-from graphcp.dist.procs import rss_bytes
 from graphcp.forward_batch import BatchInputs, ForwardBatch
 from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.cpu import CpuCapture
 from graphcp.graph.cuda import CudaCapture, SyncCheckedWarmup
 from graphcp.graph.protocol import BreakableGraph, BreakLog, GraphCaptureError, PeerFailed, check_same_ops
-from graphcp.profiling import gpu_memory_used, nvtx_range
+from graphcp.profiling import nvtx_range, process_memory
 
 log = logging.getLogger("graphcp")
 
@@ -105,7 +104,7 @@ class GraphRunner:
 
     def capture(self, bucket: int, capture_batch: CaptureBatch) -> BucketRecord:
         self.captures += 1
-        t0, m0 = time.perf_counter(), _memory(self.device)
+        t0, m0 = time.perf_counter(), process_memory(self.device)
         error = None
         try:
             with nvtx_range(f"capture:{bucket}"):
@@ -123,7 +122,8 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         if not self.agree(error is None):
             error = error or "another rank failed to capture this bucket"
-        rec = BucketRecord(bucket, time.perf_counter() - t0, max(0, _memory(self.device) - m0), error)
+        grown = max(0, process_memory(self.device) - m0)        # this process's pool: not another rank's
+        rec = BucketRecord(bucket, time.perf_counter() - t0, grown, error)
         self.records[bucket] = rec
         if error is None:
             self.graphs[bucket] = graph
@@ -197,13 +197,6 @@ class GraphRunner:
         with nvtx_range(f"graph_replay:{bucket}"):
             self.graphs[bucket].replay(host=host)
         return self.inputs.logits
-
-
-def _memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        used = gpu_memory_used(device.index or 0)
-        return used if used is not None else torch.cuda.memory_reserved(device)
-    return rss_bytes()
 
 
 def _fmt_bytes(n: int) -> str:
