@@ -91,9 +91,9 @@ class ModelRunner:
         if split:
             per_token = -(-per_token // args.cp_size)   # about 1/C of the layers per rank
         tokens = kv_tokens(args.max_total_tokens, per_token, self.device, par.ranks_per_device,
-                           cfg.max_position_embeddings, args.max_batch_requests, args.page_size)
+                           cfg.max_positions, args.max_batch_requests, args.page_size)
         num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
-        self.max_context = context_limit(cfg.max_position_embeddings, tokens, cfg.sliding_window, rank == 0)
+        self.max_context = context_limit(cfg.max_positions, tokens, cfg.sliding_window, rank == 0)
         cp_group = (par.groups.cp, par.cp_ranks, self.me.cp_rank)
         if cfg.dsa is not None:                   # MLA rows + indexer keys
             d = cfg.dsa

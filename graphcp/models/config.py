@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from graphcp.errors import ConfigError
 from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
+from graphcp.models.rope import DEFAULT_THETA, read_rope, rope_positions
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -40,7 +41,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict | None    # standardized rope parameters (models/rope.py); None: default RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -64,6 +65,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context the RoPE tables cover (YaRN's extended one where it is longer)."""
+        return rope_positions(self.rope_scaling, self.max_position_embeddings)
 
 
 def read_model_config(model_path: str) -> ModelConfig:
@@ -101,15 +107,6 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
         raise ConfigError(f"--model-path: head_dim={head_dim!r} must be an even positive integer")
-    rope = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    dsa_yarn = rope_type == "yarn" and arch in DSA_ARCHITECTURES      # DeepSeek's YaRN (dsa_rope.py)
-    if rope_type not in ("default", "linear", "llama3") and not dsa_yarn:
-        raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
-    scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
     fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
@@ -120,7 +117,7 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         architecture=arch, family=family, vocab_size=need("vocab_size"), hidden_size=hidden,
         intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=DEFAULT_THETA, rope_scaling=None,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
@@ -137,6 +134,11 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
         cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)
+    theta, scaling = read_rope(raw, cfg.head_dim, cfg.max_position_embeddings)
+    cfg = replace(cfg, rope_theta=theta, rope_scaling=scaling)
+    if not 1 <= cfg.max_positions <= LIMITS["max_position_embeddings"]:
+        raise ConfigError(f"--model-path: {source} gives {cfg.max_positions} positions (max_position_embeddings "
+                          f"and the rope scaling); the limit is {LIMITS['max_position_embeddings']}")
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)

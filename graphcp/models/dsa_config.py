@@ -40,15 +40,6 @@ def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]
         if raw.get(key, raw["num_attention_heads"]) != raw["num_attention_heads"]:
             raise ConfigError(f"--model-path: MLA needs num_key_value_heads == "
                               f"num_attention_heads, got {raw.get(key)}")
-    rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise ConfigError(f"--model-path: DSA models support rope_type 'default' and 'yarn', got "
-                          f"{rope_type!r}")
-    yarn_keys = ("factor", "original_max_position_embeddings")
-    if rope_type == "yarn" and not all(rope.get(k) for k in yarn_keys):
-        raise ConfigError("--model-path: yarn rope_parameters need factor and "
-                          "original_max_position_embeddings")
     if raw.get("q_lora_rank") is None:
         raise ConfigError("--model-path: DSA models need q_lora_rank (MLA with a query LoRA)")
     dsa = DSAConfig(
