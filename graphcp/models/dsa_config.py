@@ -84,13 +84,32 @@ def _moe_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def _shared_indexer(raw: dict, arch: str, num_layers: int) -> tuple[bool, ...]:
-    """GLM-5's ``indexer_types`` ("full" / "shared"); V3.2 runs the indexer on every layer."""
-    types = raw.get("indexer_types") if arch == "GlmMoeDsaForCausalLM" else None
-    if types is None:
+    """Per layer: does it reuse the previous layer's top-k (GLM-5 IndexShare "shared")? As HF's
+    GlmMoeDsaConfig decides: ``indexer_types``; else ``index_topk_pattern`` ("F"/"S" per layer,
+    or a list of modes); else the schedule: layer i runs its indexer when
+    ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 2 and 1: every
+    layer). V3.2 runs the indexer on every layer."""
+    if arch != "GlmMoeDsaForCausalLM":
         return (False,) * num_layers
-    if len(types) != num_layers or not set(types) <= {"full", "shared"} or types[0] != "full":
-        raise ConfigError(f"--model-path: indexer_types={types!r} must give 'full' or 'shared' per "
-                          "layer, the first 'full'")
+    field, types = "indexer_types", raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        field, pattern = "index_topk_pattern", raw["index_topk_pattern"]
+        modes = {"F": "full", "S": "shared"}
+        types = [modes.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    elif types is None:
+        field = "index_topk_freq / index_skip_topk_offset"
+        freq, offset = raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (freq, offset)):
+            raise ConfigError(f"--model-path: index_topk_freq={freq!r} and index_skip_topk_offset="
+                              f"{offset!r} must be integers")
+        freq = max(freq, 1)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                 for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or not set(types) <= {"full", "shared"} or types[0] != "full"):
+        raise ConfigError(f"--model-path: {field} gives indexer modes {types!r}: need 'full' or "
+                          f"'shared' for each of the {num_layers} layers, the first 'full' (a "
+                          "shared layer reuses the top-k of the layer before)")
     return tuple(t == "shared" for t in types)
 
 
