@@ -22,6 +22,22 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                 "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+# transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
+# another fallback (tests/test_config_fields.py checks every field against the classes).
+_HF_DEFAULTS = {
+    "LlamaForCausalLM": dict(max_position_embeddings=2048),
+    "MistralForCausalLM": dict(max_position_embeddings=131072, sliding_window=4096, num_key_value_heads=8),
+    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, sliding_window=4096, max_window_layers=28,
+                             num_key_value_heads=32),
+    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, sliding_window=4096, max_window_layers=28,
+                             num_key_value_heads=32, head_dim=128),
+    "Qwen3MoeForCausalLM": dict(max_position_embeddings=32768, sliding_window=4096, num_key_value_heads=4,
+                                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "DeepseekV32ForCausalLM": dict(max_position_embeddings=163840, routed_scaling_factor=2.5,
+                                   n_shared_experts=1, n_group=8, topk_group=4),
+    "GlmMoeDsaForCausalLM": dict(max_position_embeddings=202752, rms_norm_eps=1e-5, routed_scaling_factor=2.5,
+                                 n_shared_experts=1, n_group=1, topk_group=1),
+}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
           "num_attention_heads": 1024, "num_experts": 4096,
@@ -92,6 +108,12 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         raise ConfigError(f"--model-path: architecture {arch or raw.get('model_type')!r} is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
+    raw = {**_HF_DEFAULTS[arch], **_expert_count(raw, arch)}
+    # transformers builds the class of model_type (AutoModelForCausalLM), not the one architectures names.
+    built = _MODEL_TYPES.get(raw.get("model_type", ""), arch)
+    if built != arch:
+        raise ConfigError(f"--model-path: {source} model_type {raw['model_type']!r} (which transformers "
+                          f"builds as {built}) disagrees with architectures {archs!r}")
 
     def need(key: str) -> int:
         if key not in raw or not isinstance(raw[key], int) or raw[key] < 1:
@@ -104,9 +126,11 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         raise ConfigError(f"--model-path: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
-    head_dim = raw.get("head_dim") or hidden // heads
+    # DSA: RoPE covers the decoupled rope part only (HF overwrites head_dim with it)
+    head_dim = raw.get("qk_rope_head_dim") if arch in DSA_ARCHITECTURES else raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
-        raise ConfigError(f"--model-path: head_dim={head_dim!r} must be an even positive integer")
+        name = "qk_rope_head_dim" if arch in DSA_ARCHITECTURES else "head_dim"
+        raise ConfigError(f"--model-path: {name}={head_dim!r} must be an even positive integer")
     fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
@@ -128,12 +152,9 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         fp8_block=fp8_block, fp8_skip=fp8_skip,
     )
     if arch == "Qwen3MoeForCausalLM":
-        # transformers 5 writes the expert count as num_local_experts; released checkpoints say num_experts.
-        raw.setdefault("num_experts", raw.get("num_local_experts"))
         cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
-    if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
+    if arch in DSA_ARCHITECTURES:
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
-        cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)
     theta, scaling = read_rope(raw, cfg.head_dim, cfg.max_position_embeddings)
     cfg = replace(cfg, rope_theta=theta, rope_scaling=scaling)
     if not 1 <= cfg.max_positions <= LIMITS["max_position_embeddings"]:
@@ -145,6 +166,20 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     if params > 2 * 10**12:
         raise ConfigError(f"--model-path: {source} describes {params / 1e9:.0f}B parameters, beyond any machine")
     return cfg
+
+
+def _expert_count(raw: dict, arch: str) -> dict:
+    """The expert count under the name graphcp reads, from the spellings transformers accepts: Qwen3-MoE's
+    ``num_local_experts`` (transformers 5) over ``num_experts`` (released checkpoints); for DSA models
+    ``num_experts`` over ``num_local_experts`` over ``n_routed_experts``."""
+    if arch == "Qwen3MoeForCausalLM":
+        names, key = ("num_local_experts", "num_experts"), "num_experts"
+    elif arch in DSA_ARCHITECTURES:
+        names, key = ("num_experts", "num_local_experts", "n_routed_experts"), "n_routed_experts"
+    else:
+        return raw
+    given = [raw[n] for n in names if raw.get(n) is not None]
+    return {**raw, key: given[0]} if given else raw
 
 
 def _moe_fields(raw: dict, num_layers: int, need) -> dict:  # noqa: ANN001

@@ -9,6 +9,11 @@ from graphcp.errors import ConfigError
 
 DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32",
                      "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+# Released config.json fields that transformers never reads: it runs exactly these values (sigmoid
+# router with the score-correction bias, fp32 router, MoE on every layer past the dense ones,
+# interleaved MLA RoPE), and so does graphcp. Any other value is refused, not silently replaced.
+_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+          "moe_router_dtype": "float32", "rope_interleave": True}
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,16 @@ class DSAConfig:
 
 def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]) -> dict:
     """ModelConfig fields of a DSA model: its MLA/indexer config and its MoE layers."""
+    glm = arch == "GlmMoeDsaForCausalLM"
+    # HF rotates GLM-5's indexer interleaved and V3.2's half-split, whatever the field says.
+    for key, value in {**_FIXED, "indexer_rope_interleave": glm}.items():
+        if key in raw and raw[key] != value:
+            raise ConfigError(f"--model-path: {key}={raw[key]!r} is not supported: transformers "
+                              f"and graphcp run {arch} with {key}={value!r}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
+        raise ConfigError(f"--model-path: layer_types={layer_types!r} is not supported: every "
+                          "layer of a DSA model is 'indexed_attention'")
     for key in ("num_key_value_heads",):
         if raw.get(key, raw["num_attention_heads"]) != raw["num_attention_heads"]:
             raise ConfigError(f"--model-path: MLA needs num_key_value_heads == "
@@ -47,7 +62,7 @@ def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]
         qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
         v_head_dim=need("v_head_dim"), index_n_heads=need("index_n_heads"),
         index_head_dim=need("index_head_dim"), index_topk=need("index_topk"),
-        indexer_rope_interleaved=arch == "GlmMoeDsaForCausalLM",
+        indexer_rope_interleaved=glm,
         shared_indexer=_shared_indexer(raw, arch, num_layers),
         attention_bias=bool(raw.get("attention_bias", False)),
         n_group=need("n_group"), topk_group=need("topk_group"),
