@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from graphcp.kv.cache import KVPool
 from graphcp.kv.dsa_cache import DSAPool
-from graphcp.models.parallel import shard_range
+from graphcp.models.parallel import even_split
 
 
 class ScratchPages:
@@ -78,7 +78,7 @@ class _LayerOwnership:
 
     def _split(self, num_layers: int, num_pages: int, page_size: int, device: torch.device,
                group: dist.ProcessGroup, cp_ranks: list[int], cp_rank: int) -> None:
-        ranges = [range(*shard_range(num_layers, len(cp_ranks), c)) for c in range(len(cp_ranks))]
+        ranges = [range(*even_split(num_layers, len(cp_ranks), c)) for c in range(len(cp_ranks))]
         self.owned = ranges[cp_rank]
         self.owners = [next(c for c, r in enumerate(ranges) if layer in r) for layer in range(num_layers)]
         self.group, self.cp_ranks, self.cp_rank = group, cp_ranks, cp_rank

@@ -21,7 +21,7 @@ from graphcp.kv.cache import KVPool
 from graphcp.kv.dsa_cache import DSAPool
 from graphcp.kv.pages import RequestKV
 from graphcp.models.config import ModelConfig
-from graphcp.models.parallel import shard_range
+from graphcp.models.parallel import even_split
 from graphcp.pd.layout import DTYPES, SlotLayout, layout_for, parse_destination
 from graphcp.pd.mooncake import start_engine
 
@@ -35,7 +35,7 @@ class KVSender:
         self.pool, self.protocol, self.timeout_s = pool, protocol, timeout_s
         registered = [t for t in pool.registered() if t.numel()]       # a DSA model may index no layer
         self.model = layout_for(model_config, 1, _dtype_name(registered[0].dtype))
-        start, end = shard_range(len(stage_layers), cp_size, cp_rank)
+        start, end = even_split(len(stage_layers), cp_size, cp_rank)
         self.layers = range(stage_layers.start + start, stage_layers.start + end)
         # Header columns this rank marks: the KV heads of its attention-TP rank (dense), the one MLA row (DSA).
         first = pool.transfer_parts(stage_layers.start)[0]
