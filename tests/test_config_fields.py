@@ -98,7 +98,7 @@ ALT = {
     "decoder_sparse_step": ({}, 2), "mlp_only_layers": ({}, [0]),
     "moe_intermediate_size": ({}, 64), "norm_topk_prob": ({}, "flip"),
     "num_experts_per_tok": ({}, 1), "num_local_experts": ({}, 8),
-    "num_experts": ({"num_local_experts": DROP}, 8),     # transformers 5's name wins when both are there
+    "num_experts": ({"num_local_experts": DROP}, 8),     # transformers 5's name wins over it
     "first_k_dense_replace": ({"mlp_layer_types": None}, 0),
     "mlp_layer_types": ({}, ["sparse", "sparse"]), "index_head_dim": ({}, 64),
     "index_n_heads": ({}, 8), "index_topk": ({}, 16), "kv_lora_rank": ({}, 64),
@@ -110,9 +110,9 @@ ALT = {
     "index_skip_topk_offset": ({"indexer_types": None, "index_topk_freq": 2}, 1),
     "index_topk_pattern": ({"indexer_types": None}, "FS"),
 }
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "GlmMoeDsaForCausalLM": "glm_moe_dsa",
-               "DeepseekV32ForCausalLM": "deepseek_v32"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}
 OTHER_ARCH = {"LlamaConfig": "MistralForCausalLM", "MistralConfig": "LlamaForCausalLM",
               "Qwen2Config": "Qwen3ForCausalLM", "Qwen3Config": "Qwen2ForCausalLM",
               "Qwen3MoeConfig": "Qwen3ForCausalLM", "DeepseekV32Config": "GlmMoeDsaForCausalLM",

@@ -314,7 +314,8 @@ def test_row_chunks_match_hf(engines, dsa_oracle, v32, monkeypatch):
 
 @pytest.mark.parametrize("spelling", [
     dict(index_topk_freq=4, index_skip_topk_offset=3), dict(index_topk_freq=2),
-    dict(index_skip_topk_offset=0, index_topk_freq=1), dict(index_topk_freq=3, index_skip_topk_offset=1),
+    dict(index_skip_topk_offset=0, index_topk_freq=1),
+    dict(index_topk_freq=3, index_skip_topk_offset=1),
     dict(index_topk_pattern="FFSSFS" * 13), dict(index_topk_pattern=["full", "shared"] * 39), {}])
 def test_index_share_schedule_is_hfs(spelling):
     """GLM-5.2's IndexShare schedule from every spelling, as GlmMoeDsaConfig derives indexer_types
@@ -328,7 +329,8 @@ def test_index_share_schedule_is_hfs(spelling):
 
 @pytest.mark.parametrize("spelling,field", [
     (dict(index_topk_freq=2, index_skip_topk_offset=0), "index_topk_freq / index_skip_topk_offset"),
-    (dict(index_topk_pattern="FSX"), "index_topk_pattern"), (dict(index_topk_freq=None), "integers")])
+    (dict(index_topk_pattern="FSX"), "index_topk_pattern"),
+    (dict(index_topk_freq=None), "integers")])
 def test_index_share_schedule_refuses_a_shared_first_layer(spelling, field):
     from graphcp.models.dsa_config import _shared_indexer
     with pytest.raises(ConfigError, match=field):

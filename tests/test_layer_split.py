@@ -68,9 +68,10 @@ def test_even_split_property():
 def test_pipeline_stages_are_sglangs():
     """SGLang's (vLLM's get_pp_indices) placement: the remainder on the stages before the last."""
     from graphcp.models.parallel import pipeline_stage
-    for layers, stages, sizes in ((10, 4, [2, 3, 3, 2]), (6, 4, [1, 2, 2, 1]), (22, 4, [5, 6, 6, 5]),
-                                  (5, 3, [2, 2, 1]), (4, 3, [1, 2, 1]), (3, 2, [2, 1]),
-                                  (61, 4, [15, 15, 16, 15]), (2, 2, [1, 1]), (32, 4, [8] * 4)):
+    for layers, stages, sizes in ((10, 4, [2, 3, 3, 2]), (6, 4, [1, 2, 2, 1]),
+                                  (22, 4, [5, 6, 6, 5]), (5, 3, [2, 2, 1]), (4, 3, [1, 2, 1]),
+                                  (3, 2, [2, 1]), (61, 4, [15, 15, 16, 15]), (2, 2, [1, 1]),
+                                  (32, 4, [8] * 4)):
         bounds = [pipeline_stage(layers, stages, s) for s in range(stages)]
         assert [e - s for s, e in bounds] == sizes
         assert bounds[0][0] == 0 and bounds[-1][1] == layers

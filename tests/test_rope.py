@@ -38,11 +38,12 @@ def _factors(dim: int, seed: int) -> list[float]:
 
 
 def rope_cases(dim: int) -> dict[str, dict]:
-    """config.json rope fields per case, as released configs spell them (``dim``: the rotary dim)."""
+    """config.json rope fields per case, spelled as released configs do (``dim``: rotary dim)."""
     return {
         "default": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
         "default_legacy": {"rope_theta": 1e6, "rope_scaling": None},
-        "linear_legacy_type": {"rope_theta": 1e5, "rope_scaling": {"type": "linear", "factor": 2.5}},
+        "linear_legacy_type": {"rope_theta": 1e5,
+                               "rope_scaling": {"type": "linear", "factor": 2.5}},
         "dynamic": {"rope_parameters": {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 1e4}},
         "yarn_qwen3_card": {"rope_theta": 1e6, "max_position_embeddings": 40960,
                             "rope_scaling": dict(QWEN3_CARD)},
@@ -63,7 +64,8 @@ def rope_cases(dim: int) -> dict[str, dict]:
         "proportional": {"rope_parameters": {"rope_type": "proportional", "factor": 2.0,
                                              "partial_rotary_factor": 0.5}},
         # rope_scaling replaces rope_parameters whole (its theta too): the top-level theta counts
-        "both_spellings": {"rope_theta": 7e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "both_spellings": {"rope_theta": 7e5,
+                           "rope_scaling": {"rope_type": "linear", "factor": 2.0},
                            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
         "top_level_original": {"original_max_position_embeddings": 64, "rope_parameters": {
             "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}},
@@ -121,8 +123,8 @@ def test_tables_equal_hf_rotary(tmp_path, arch, case):
     assert _compare(rotary, ours, cfg.max_positions) <= TABLE_TOL
 
 
-@pytest.mark.parametrize("case", ["default", "linear_legacy_type", "dynamic", "yarn_deepseek_mscale",
-                                  "yarn_untruncated_attention_factor", "llama3"])
+@pytest.mark.parametrize("case", ["default", "linear_legacy_type", "dynamic", "llama3",
+                                  "yarn_deepseek_mscale", "yarn_untruncated_attention_factor"])
 @pytest.mark.parametrize("arch", ["DeepseekV32", "GlmMoeDsa"])
 def test_dsa_tables_and_softmax_scale_equal_hf(tmp_path, arch, case):
     """HF's DSA rotary calls the same rope functions; MLA's softmax scale takes mscale_all_dim^2."""
@@ -157,7 +159,7 @@ def _raw(**rope) -> dict:
     (dict(rope_scaling={"type": "linear"}), "rope_type 'linear' needs factor"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}),
      "needs high_freq_factor"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": -2.0}), "factor=-2.0 must be a positive"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": -2.0}), "factor=-2.0 must be a"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "rope_theta='big'"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default"}},
           layer_types=["full_attention"] * 2), "per-layer rope_parameters"),
@@ -176,11 +178,12 @@ def test_dynamic_serves_exactly_the_range_where_hf_is_fixed():
     assert cfg.max_positions == 2048 and cfg.rope_scaling["rope_type"] == "dynamic"
 
 
-# End to end: logits and (rotated) KV equal HF, each prompt in two chunks on one rank (the model card's
-# YaRN through graphs of one bucket, the others eager to keep the suite fast), and CP 2 zigzag.
+# End to end: logits and (rotated) KV equal HF, each prompt in two chunks on one rank (the model
+# card's YaRN through graphs of one bucket, the others eager to keep the suite fast), CP 2 zigzag.
 E2E = {
     "qwen3_card_yarn": ("qwen3", dict(rope_theta=1e6, max_position_embeddings=40960,
-                                      rope_scaling=dict(QWEN3_CARD)), dict(cuda_graph_buckets=[256])),
+                                      rope_scaling=dict(QWEN3_CARD)),
+                        dict(cuda_graph_buckets=[256])),
     "qwen3_moe_yarn_mscale": ("qwen3_moe", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "mscale": 1.0,

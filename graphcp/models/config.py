@@ -24,19 +24,20 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 # transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
 # another fallback (tests/test_config_fields.py checks every field against the classes).
+_QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
 _HF_DEFAULTS = {
     "LlamaForCausalLM": dict(max_position_embeddings=2048),
-    "MistralForCausalLM": dict(max_position_embeddings=131072, sliding_window=4096, num_key_value_heads=8),
-    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, sliding_window=4096, max_window_layers=28,
-                             num_key_value_heads=32),
-    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, sliding_window=4096, max_window_layers=28,
-                             num_key_value_heads=32, head_dim=128),
-    "Qwen3MoeForCausalLM": dict(max_position_embeddings=32768, sliding_window=4096, num_key_value_heads=4,
-                                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "MistralForCausalLM": dict(max_position_embeddings=131072, sliding_window=4096,
+                               num_key_value_heads=8),
+    "Qwen2ForCausalLM": dict(_QWEN, max_window_layers=28, num_key_value_heads=32),
+    "Qwen3ForCausalLM": dict(_QWEN, max_window_layers=28, num_key_value_heads=32, head_dim=128),
+    "Qwen3MoeForCausalLM": dict(_QWEN, num_key_value_heads=4, num_experts=128,
+                                num_experts_per_tok=8, moe_intermediate_size=768),
     "DeepseekV32ForCausalLM": dict(max_position_embeddings=163840, routed_scaling_factor=2.5,
                                    n_shared_experts=1, n_group=8, topk_group=4),
-    "GlmMoeDsaForCausalLM": dict(max_position_embeddings=202752, rms_norm_eps=1e-5, routed_scaling_factor=2.5,
-                                 n_shared_experts=1, n_group=1, topk_group=1),
+    "GlmMoeDsaForCausalLM": dict(max_position_embeddings=202752, rms_norm_eps=1e-5,
+                                 routed_scaling_factor=2.5, n_shared_experts=1, n_group=1,
+                                 topk_group=1),
 }
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
@@ -109,11 +110,11 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
                           f"(supported: {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
     raw = {**_HF_DEFAULTS[arch], **_expert_count(raw, arch)}
-    # transformers builds the class of model_type (AutoModelForCausalLM), not the one architectures names.
+    # transformers builds model_type's class (AutoModelForCausalLM), whatever architectures names.
     built = _MODEL_TYPES.get(raw.get("model_type", ""), arch)
     if built != arch:
-        raise ConfigError(f"--model-path: {source} model_type {raw['model_type']!r} (which transformers "
-                          f"builds as {built}) disagrees with architectures {archs!r}")
+        raise ConfigError(f"--model-path: {source} model_type {raw['model_type']!r} (which "
+                          f"transformers builds as {built}) disagrees with architectures {archs!r}")
 
     def need(key: str) -> int:
         if key not in raw or not isinstance(raw[key], int) or raw[key] < 1:
@@ -127,9 +128,10 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         raise ConfigError(f"--model-path: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
     # DSA: RoPE covers the decoupled rope part only (HF overwrites head_dim with it)
-    head_dim = raw.get("qk_rope_head_dim") if arch in DSA_ARCHITECTURES else raw.get("head_dim") or hidden // heads
+    dsa = arch in DSA_ARCHITECTURES
+    head_dim = raw.get("qk_rope_head_dim") if dsa else raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
-        name = "qk_rope_head_dim" if arch in DSA_ARCHITECTURES else "head_dim"
+        name = "qk_rope_head_dim" if dsa else "head_dim"
         raise ConfigError(f"--model-path: {name}={head_dim!r} must be an even positive integer")
     fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
     if raw.get("hidden_act", "silu") != "silu":
@@ -141,7 +143,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         architecture=arch, family=family, vocab_size=need("vocab_size"), hidden_size=hidden,
         intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=DEFAULT_THETA, rope_scaling=None,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=DEFAULT_THETA, rope_scaling=None,         # read below, over the final head_dim
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
@@ -158,8 +161,9 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     theta, scaling = read_rope(raw, cfg.head_dim, cfg.max_position_embeddings)
     cfg = replace(cfg, rope_theta=theta, rope_scaling=scaling)
     if not 1 <= cfg.max_positions <= LIMITS["max_position_embeddings"]:
-        raise ConfigError(f"--model-path: {source} gives {cfg.max_positions} positions (max_position_embeddings "
-                          f"and the rope scaling); the limit is {LIMITS['max_position_embeddings']}")
+        raise ConfigError(f"--model-path: {source} gives {cfg.max_positions} positions "
+                          "(max_position_embeddings and the rope scaling); the limit is "
+                          f"{LIMITS['max_position_embeddings']}")
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
@@ -169,9 +173,9 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
 
 
 def _expert_count(raw: dict, arch: str) -> dict:
-    """The expert count under the name graphcp reads, from the spellings transformers accepts: Qwen3-MoE's
-    ``num_local_experts`` (transformers 5) over ``num_experts`` (released checkpoints); for DSA models
-    ``num_experts`` over ``num_local_experts`` over ``n_routed_experts``."""
+    """The expert count under the name graphcp reads, from the spellings transformers accepts:
+    Qwen3-MoE's ``num_local_experts`` (transformers 5) over ``num_experts`` (released checkpoints);
+    for DSA models ``num_experts`` over ``num_local_experts`` over ``n_routed_experts``."""
     if arch == "Qwen3MoeForCausalLM":
         names, key = ("num_local_experts", "num_experts"), "num_experts"
     elif arch in DSA_ARCHITECTURES:

@@ -39,8 +39,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by position (models/rope.py: every rope type HF applies, its attention factor
-    folded in): a gather, so positions can live in a static graph buffer."""
+    """cos/sin tables indexed by position (models/rope.py: every rope type HF applies, its attention
+    factor folded in): a gather, so positions can live in a static graph buffer."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -52,7 +52,8 @@ class RotaryEmbedding(nn.Module):
     def build(self, device: torch.device) -> None:
         # Built on the CPU after loading (the module itself may be constructed on the meta device).
         cfg = self.config
-        cos, sin = rope_tables(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim, cfg.max_position_embeddings)
+        cos, sin = rope_tables(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim,
+                               cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,9 +39,9 @@ def read_rope(raw: dict, rope_dim: int, max_positions: int) -> tuple[float, dict
     and longrope a top-level ``original_max_position_embeddings`` wins, else the parameters' own,
     else ``max_position_embeddings``."""
     source = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    params = dict(raw.get(source) or {})
     if not isinstance(raw.get(source) or {}, dict):
         raise ConfigError(f"--model-path: {source} must be a mapping, got {raw.get(source)!r}")
+    params = dict(raw.get(source) or {})
     if any(key in (raw.get("layer_types") or ()) for key in params):
         raise ConfigError(f"--model-path: per-layer {source} (keyed by layer_types) are not "
                           "supported: give one set of rope parameters")
@@ -58,7 +58,8 @@ def read_rope(raw: dict, rope_dim: int, max_positions: int) -> tuple[float, dict
         params.setdefault(_ORIGINAL, max_positions)
     missing = [k for k in REQUIRED[rope_type] if k not in params]
     if missing:
-        raise ConfigError(f"--model-path: {source} rope_type {rope_type!r} needs {', '.join(missing)}")
+        raise ConfigError(f"--model-path: {source} rope_type {rope_type!r} needs "
+                          f"{', '.join(missing)}")
     theta = params["rope_theta"]
     if not isinstance(theta, (int, float)) or theta <= 1:
         raise ConfigError(f"--model-path: rope_theta={theta!r} must be a number > 1")
@@ -93,10 +94,10 @@ def _check_values(params: dict, source: str, rope_dim: int, max_positions: int) 
                                   f"numbers (rotary dim / 2)")
         if max_positions > params[_ORIGINAL]:
             raise ConfigError(
-                f"--model-path: rope_type 'longrope' with max_position_embeddings={max_positions} > "
-                f"{_ORIGINAL}={params[_ORIGINAL]} is not supported: past the original context HF "
-                "switches every position of a forward call to long_factor, which depends on how "
-                "a request is chunked and batched")
+                f"--model-path: rope_type 'longrope' with max_position_embeddings="
+                f"{max_positions} > {_ORIGINAL}={params[_ORIGINAL]} is not supported: past the "
+                "original context HF switches every position of a forward call to long_factor, "
+                "which depends on how a request is chunked and batched")
 
 
 def rope_positions(params: dict | None, max_positions: int) -> int:
@@ -121,7 +122,8 @@ def inv_freq(theta: float, params: dict | None, dim: int,
     if rope_type == "dynamic":
         # HF's value at sequence length max_position_embeddings: the base stays theta.
         factor = params["factor"]
-        base = theta * ((factor * max_positions / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+        scale = (factor * max_positions / max_positions) - (factor - 1)
+        base = theta * scale ** (dim / (dim - 2))
         return 1.0 / (base ** exponents), 1.0
     if rope_type == "llama3":
         return _llama3(1.0 / (theta ** exponents), params), 1.0
