@@ -62,7 +62,7 @@ class ModelRunner:
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)
         write = chosen("kv_write") if self.device.type == "cuda" else None
-        cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_position_embeddings,
+        cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
                           cfg.sliding_window, write, announce=rank == 0)
         self.pool, self.max_context = cache.pool, cache.max_context
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,

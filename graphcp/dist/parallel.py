@@ -14,7 +14,7 @@ from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, 
 from graphcp.forward_context import MoECommunicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.moe import EPInfo
-from graphcp.models.parallel import TPInfo, shard_range
+from graphcp.models.parallel import TPInfo, pipeline_stage
 
 
 @dataclass
@@ -47,7 +47,7 @@ class RankParallel:
         wide = args.resolved_ffn_tp_size > atp
         ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp) if wide else attn_tp
         communicator = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp) if wide else None
-        layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
+        layers = range(*pipeline_stage(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
         # MoE: experts split over EP ranks of the TP world, each over expert TP (see dist/moe_comm.py).
         ep_rank, expert_tp_rank = expert_place(args, rank)
         ep = EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank)

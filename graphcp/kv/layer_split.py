@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from graphcp.kv.cache import LayerParts, PagedPool
+from graphcp.models.parallel import even_split
 
 
 class ScratchPages:
@@ -72,9 +73,9 @@ class ScratchPages:
 
 
 def layer_ranges(num_layers: int, cp_size: int) -> list[range]:
-    """Each CP rank's contiguous layers: the split used for the cache and for PD sends alike."""
-    per = -(-num_layers // cp_size)
-    return [range(min(num_layers, c * per), min(num_layers, (c + 1) * per)) for c in range(cp_size)]
+    """Each CP rank's contiguous layers, as even as possible (10 over 4: 3, 3, 2, 2): the split used for
+    the cache and for PD sends alike."""
+    return [range(*even_split(num_layers, cp_size, c)) for c in range(cp_size)]
 
 
 def _grown(t: torch.Tensor, slots: int) -> torch.Tensor:

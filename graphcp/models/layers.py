@@ -1,15 +1,14 @@
 """Small layers shared by the model families: RMSNorm and the rotary embedding (one Triton launch each
-on CUDA once their start-up check accepted them, ``kernels/probes.py``; the torch forms are HF's)."""
+on CUDA once their start-up check accepted them, ``kernels/resolve.py``; the torch forms are HF's)."""
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-from graphcp.models.config import ModelConfig
 from graphcp.kernels.registry import chosen
 from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
+from graphcp.models.config import ModelConfig
+from graphcp.models.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -33,29 +32,9 @@ class RMSNorm(nn.Module):
         return rms_norm_torch(total, self.weight, self.eps), total
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling.get("factor", 1.0))
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths are divided by factor, short ones kept, the band between blended.
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by position: a gather, so positions can live in a static graph buffer."""
+    """cos/sin tables indexed by position (models/rope.py: every rope type HF applies, its attention
+    factor folded in): a gather, so positions can live in a static graph buffer."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -66,11 +45,10 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, device: torch.device) -> None:
         # Built on the CPU after loading (the module itself may be constructed on the meta device).
-        with torch.device("cpu"):
-            pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-            freqs = pos[:, None] * rope_inv_freq(self.config)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        cfg = self.config
+        cos, sin = rope_tables(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim,
+                               cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a forward passes the same positions tensor: gather cos/sin once, reuse it.
