@@ -219,7 +219,7 @@ def test_kernel_fn_capturable_only_on_cuda():
 def test_start_probe(monkeypatch):
     """The start-up probe passes the real kernel (here in the interpreter); a failing probe on CUDA makes
     auto fall back to torch and an explicit triton request a ConfigError with the reason."""
-    from graphcp.attention import probe as probe_module
+    from graphcp.kernels import probe as probe_module
     from graphcp.kernels.registry import resolve_kernel
     from graphcp.kernels.probe import probe_kernel
     from graphcp.errors import ConfigError

@@ -12,6 +12,8 @@ Grid axis 0 is the query head; GQA maps query head h to kv head h // (Hq // Hkv)
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -133,18 +135,24 @@ def _paged_attn_kernel(
                  zero.to(OUT.dtype.element_ty), mask=pad_ok[:, None])
 
 
-def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype, rows_per_seq: float) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (capturable). Long rows take 128-row tiles
+class AttentionTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype, sequences: int) -> AttentionTiles:
+    """The CUDA tiling from shapes only (capturable). Long rows take 128-row tiles
     with 8 warps for head_dim 128 (the usual Hopper flash-attention shape); rows shorter than a tile on
     average (zigzag blocks, many short requests) keep 64 so fewer rows sit idle. ``profiles/gpu_check.py``
     sweeps these on the GPU."""
-    if device.type != "cuda":
-        return 16, 16, 1, 1            # interpreter: small tiles keep numpy work low on short sequences
+    rows_per_seq = rows / max(sequences, 1)
     if dtype == torch.float32:
-        return 64, 32, 4, 2            # fp32 tiles are twice the bytes: keep shared memory under ~64 KiB
+        return AttentionTiles(64, 32, 4, 2)    # fp32 tiles are twice the bytes: shared memory under ~64 KiB
     if rows_per_seq < 128:
-        return (64, 64, 4, 2) if head_dim == 128 else (64, 64, 4, 3)
-    return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 4, 3)
+        return AttentionTiles(64, 64, 4, 2) if head_dim == 128 else AttentionTiles(64, 64, 4, 3)
+    return AttentionTiles(128, 64, 8, 3) if head_dim == 128 else AttentionTiles(128, 64, 4, 3)
 
 
 def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -167,7 +175,9 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     assert cu_seqlens_q.shape[0] == S + 1
     if T == 0:
         return out
-    bm, bn, warps, stages = _blocks(q.device, D, q.dtype, T / max(S, 1))
+    # interpreter: small tiles keep numpy work low on short sequences
+    bm, bn, warps, stages = (attention_tiles(T, D, q.dtype, S) if q.device.type == "cuda"
+                             else AttentionTiles(16, 16, 1, 1))
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages
     assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0
@@ -194,4 +204,4 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-__all__ = ["triton_paged_attention"]
+__all__ = ["triton_paged_attention", "attention_tiles"]

@@ -43,6 +43,11 @@ def _indexer_kernel(Q, W, KEYS, SLOTS, ROW_SEQ, LIMITS, OUT, heads, dim, num_key
     tl.store(OUT + row * stride_ob + pos, score, mask=in_keys)
 
 
+def indexer_tiles(heads: int, dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_D, BLOCK_K, num_warps): every head and the whole key width in one tile."""
+    return max(16, triton.next_power_of_2(heads)), max(16, triton.next_power_of_2(dim)), 32, 4
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
                    seq_slots: torch.Tensor, row_seq: torch.Tensor,
                    limits: torch.Tensor) -> torch.Tensor:
@@ -52,15 +57,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Ten
     num_keys = seq_slots.shape[1]
     out = torch.empty(rows, num_keys, dtype=torch.float32, device=q.device)
     q, weights, slots = q.contiguous(), weights.float().contiguous(), seq_slots.contiguous()
-    block_k = 32
+    block_h, block_d, block_k, warps = indexer_tiles(heads, dim)
     grid = (rows, triton.cdiv(num_keys, block_k))
     _indexer_kernel[grid](q, weights, index_keys, slots, row_seq.contiguous(), limits.contiguous(),
                           out, heads, dim,
                           num_keys, dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0),
                           index_keys.stride(0), slots.stride(0), out.stride(0),
-                          BLOCK_H=max(16, triton.next_power_of_2(heads)),
-                          BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_K=block_k,
-                          PREC=_prec(q.dtype))
+                          BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_K=block_k,
+                          PREC=_prec(q.dtype), num_warps=warps)
     return out
 
 
@@ -107,6 +111,12 @@ def _sparse_mla_kernel(Q, KV, SEL, VIS, OUT, heads, latent, rope, num_sel, scale
              mask=h_ok[:, None] & (c[None, :] < latent))
 
 
+def mla_tiles(heads: int, latent: int, rope: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_H, BLOCK_C, BLOCK_R, BLOCK_N, num_warps, num_stages) of the sparse MLA kernel."""
+    return (min(64, max(16, triton.next_power_of_2(heads))), max(16, triton.next_power_of_2(latent)),
+            max(16, triton.next_power_of_2(rope)), 16, 4, 3)
+
+
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, selected_slots: torch.Tensor,
                visible: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
     """q [B, H, latent + rope], kv [slots, latent + rope], selected_slots / visible [B, k]
@@ -116,12 +126,11 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, selected_slots: torch.Tensor,
     out = torch.empty(rows, heads, latent_dim, dtype=q.dtype, device=q.device)
     q, sel = q.contiguous(), selected_slots.contiguous()
     vis = visible.to(torch.int8).contiguous()
-    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    block_h, block_c, block_r, block_n, warps, stages = mla_tiles(heads, latent_dim, width - latent_dim)
     grid = (rows, triton.cdiv(heads, block_h))
     _sparse_mla_kernel[grid](q, kv, sel, vis, out, heads, latent_dim, width - latent_dim, num_sel,
                              scale, q.stride(0), q.stride(1), kv.stride(0), sel.stride(0),
                              vis.stride(0), out.stride(0), out.stride(1), BLOCK_H=block_h,
-                             BLOCK_C=max(16, triton.next_power_of_2(latent_dim)),
-                             BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
-                             BLOCK_N=16, PREC=_prec(q.dtype))
+                             BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n, PREC=_prec(q.dtype),
+                             num_warps=warps, num_stages=stages)
     return out

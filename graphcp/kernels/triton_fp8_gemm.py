@@ -121,6 +121,17 @@ def _fp8_gemm_kernel(
     )
 
 
+def quant_tiles(block_k: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of the activation quantizer: one K group of BLOCK_M rows per program."""
+    return (16 if block_k >= 128 else 32), 4
+
+
+def gemm_tiles(m: int, n: int, block_k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM for m rows and n output columns."""
+    block_m = 64 if m <= 64 else 128
+    return block_m, 128, 4 if block_m == 64 else 8, 3
+
+
 def quantize_activations_triton(
     x: torch.Tensor, block_k: int, k_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +142,7 @@ def quantize_activations_triton(
     xq = torch.empty(m, blocks * block_k, dtype=FP8, device=x.device)
     xs = torch.empty(blocks, m, dtype=torch.float32, device=x.device)
     if m:
-        block_m = 16 if block_k >= 128 else 32
+        block_m, warps = quant_tiles(block_k)
         _act_quant_kernel[(triton.cdiv(m, block_m), blocks)](
             x,
             xq,
@@ -145,7 +156,7 @@ def quantize_activations_triton(
             FP8_MAX,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
-            num_warps=4,
+            num_warps=warps,
         )
     return xq, xs
 
@@ -164,8 +175,7 @@ def triton_fp8_linear(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
         xq, xs = quantize_activations_triton(x2, block_k, w.k_offset)
-        block_m = 64 if m <= 64 else 128
-        block_n = 128
+        block_m, block_n, warps, stages = gemm_tiles(m, n, block_k)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         _fp8_gemm_kernel[grid](
             xq,
@@ -189,10 +199,10 @@ def triton_fp8_linear(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            num_warps=4 if block_m == 64 else 8,
-            num_stages=3,
+            num_warps=warps,
+            num_stages=stages,
         )
     return y.view(*x.shape[:-1], n)
 
 
-__all__ = ["triton_fp8_linear", "quantize_activations_triton"]
+__all__ = ["triton_fp8_linear", "quantize_activations_triton", "quant_tiles", "gemm_tiles"]

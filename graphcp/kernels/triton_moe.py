@@ -42,19 +42,25 @@ def _grouped_gemm_kernel(A, ROWS, W, OUT, TILE_EXPERT, K, N, stride_am, stride_w
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=offs_n[None, :] < N)
 
 
+def moe_tiles(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMM [rows, k] @ [k, n]."""
+    return (BLOCK_M, min(64, max(16, triton.next_power_of_2(n))),
+            min(64, max(16, triton.next_power_of_2(k))), 4, 3)
+
+
 def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
                  tile_expert: torch.Tensor) -> torch.Tensor:
     """a [R, K], rows [cap] (a row of ``a`` or -1), w [E, N, K], tile_expert [cap / BLOCK_M]
     -> [cap, N]."""
     a, cap, n, k = a.contiguous(), rows.shape[0], w.shape[1], w.shape[2]
     out = a.new_empty((cap, n))
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    _, block_n, block_k, warps, stages = moe_tiles(n, k)
     prec = "ieee" if a.dtype == torch.float32 else "tf32"
     grid = (cap // BLOCK_M, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, rows, w, out, tile_expert, k, n, a.stride(0), w.stride(0),
                                w.stride(1), w.stride(2), out.stride(0), BLOCK_M=BLOCK_M,
-                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec)
+                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec, num_warps=warps,
+                               num_stages=stages)
     return out
 
 
