@@ -66,6 +66,18 @@ VARLEN_CASES = [
 
 @pytest.mark.parametrize("page_size,group,head_dim,dtype,capturable", VARLEN_CASES)
 def test_varlen_with_prefixes(page_size, group, head_dim, dtype, capturable):
+    _varlen_case(page_size, group, head_dim, dtype, capturable)
+
+
+@pytest.mark.parametrize("page_size,group,head_dim,dtype,capturable", VARLEN_CASES[2:4])
+def test_int64_offsets(monkeypatch, page_size, group, head_dim, dtype, capturable):
+    """The int64 addressing a pool of 2**31 elements or more takes (forced here) agrees too."""
+    from graphcp.kernels import triton_attention
+    monkeypatch.setattr(triton_attention, "needs_int64", lambda *tensors: True)
+    _varlen_case(page_size, group, head_dim, dtype, capturable)
+
+
+def _varlen_case(page_size, group, head_dim, dtype, capturable):
     gen = torch.Generator().manual_seed(1000 * page_size + 10 * group + head_dim)
     q_lens = [int(x) for x in torch.randint(1, 25, (3,), generator=gen)] + [0]      # one empty sequence
     prefixes = [int(x) for x in torch.randint(0, 16, (4,), generator=gen)]
@@ -81,7 +93,8 @@ def test_varlen_with_prefixes(page_size, group, head_dim, dtype, capturable):
     _compare(q, k_pool, v_pool, cu, page_rows, limits, page_size, max(q_lens), max(kv_lens), capturable)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 64), (64, 32)])
+# (32, 16), (64, 64), (128, 64): the CUDA tiles of attention_tiles
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 64), (64, 64), (128, 64)])
 def test_tiles_and_key_blocks(block_m, block_n):
     """Sequences that are not multiples of the tile, several tiles and several key blocks per sequence."""
     gen = torch.Generator().manual_seed(block_m + 7 * block_n)

@@ -18,31 +18,31 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-
+from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 
 @triton.jit
-def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
-               stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-               qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-               DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, K_HEAD, V_HEAD, d, stride_ks, stride_kd, stride_vs,
+               stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               PREC: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, WIDE: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages."""
     kpos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = kpos < hi
-        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0).to(tl.int64)
+        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0)
     else:
-        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp).to(tl.int64)
+        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp)
+    page = page.to(tl.int64) if WIDE else page.to(tl.int32)
     slot = page * PAGE_SIZE + (kpos % PAGE_SIZE)
-    k_ptr = KP + slot[None, :] * stride_ks + kv_head * stride_kh + d[:, None] * stride_kd
-    v_ptr = VP + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd
+    # K and V as [BLOCK_N, D] rows (each key's D contiguous); the QK dot takes K transposed.
+    k_ptr = K_HEAD + slot[:, None] * stride_ks + d[None, :] * stride_kd
+    v_ptr = V_HEAD + slot[:, None] * stride_vs + d[None, :] * stride_vd
     if MASKED:
-        kt = tl.load(k_ptr, mask=k_ok[None, :], other=0.0)                          # [D, BLOCK_N]
+        k = tl.load(k_ptr, mask=k_ok[:, None], other=0.0)                           # [BLOCK_N, D]
     else:
-        kt = tl.load(k_ptr)
+        k = tl.load(k_ptr)
     if DOT_F32:
-        kt = kt.to(tl.float32)
-    qk = tl.dot(q, kt, input_precision=PREC) * qk_scale                              # log2 domain
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                     # log2 domain
     if MASKED:
         qk = tl.where(kpos[None, :] < lim[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -71,7 +71,7 @@ def _paged_attn_kernel(
     T, S, P, qk_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, WIDE: tl.constexpr,
 ):
     head = tl.program_id(0)              # heads vary fastest: programs sharing a kv head run together (L2)
     pid = tl.program_id(1)
@@ -97,7 +97,8 @@ def _paged_attn_kernel(
         q_start = tl.sum(tl.where(sel, starts, 0), 0)
         q_end = tl.sum(tl.where(sel, ends, 0), 0)
         tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
-        rows = (q_start + tile * BLOCK_M + m_off).to(tl.int64)      # int64: row * stride may pass 2**31
+        rows = q_start + tile * BLOCK_M + m_off
+        rows = rows.to(tl.int64) if WIDE else rows          # WIDE: row * stride may pass 2**31
         row_ok = rows < q_end
         lim = tl.load(LIM + rows, mask=row_ok, other=0).to(tl.int32)
         lim = tl.where(row_ok, lim, 0)
@@ -110,25 +111,28 @@ def _paged_attn_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        pr_row = PR + seq.to(tl.int64) * stride_pr
+        pr_row = PR + seq * stride_pr
+        k_head = KP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_kh
+        v_head = VP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_vh
         # Key blocks below every live row's limit need no mask (most of a long causal row); the rest do.
         lo = tl.min(tl.where(row_ok, lim, 2147483647), 0)
         full_end = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N
         for start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
-                                       stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False)
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, k_head, v_head, d,
+                                       stride_ks, stride_kd, stride_vs, stride_vd, stride_pp, qk_scale,
+                                       PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False, WIDE)
         for start in range(full_end, hi, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
-                                       stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True)
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, k_head, v_head, d,
+                                       stride_ks, stride_kd, stride_vs, stride_vd, stride_pp, qk_scale,
+                                       PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True, WIDE)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
         # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile do nothing.
-        pad_rows = (total_q + (pid - total_tiles) * BLOCK_M + m_off).to(tl.int64)
+        pad_rows = total_q + (pid - total_tiles) * BLOCK_M + m_off
+        pad_rows = pad_rows.to(tl.int64) if WIDE else pad_rows
         pad_ok = (pad_rows < T) & (pad_rows >= total_q)
         zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         tl.store(OUT + pad_rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -142,17 +146,20 @@ class AttentionTiles(NamedTuple):
     num_stages: int
 
 
-def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype, sequences: int) -> AttentionTiles:
-    """The CUDA tiling from shapes only (capturable). Long rows take 128-row tiles
-    with 8 warps for head_dim 128 (the usual Hopper flash-attention shape); rows shorter than a tile on
-    average (zigzag blocks, many short requests) keep 64 so fewer rows sit idle. ``profiles/gpu_check.py``
-    sweeps these on the GPU."""
-    rows_per_seq = rows / max(sequences, 1)
+def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> AttentionTiles:
+    """The CUDA tiling for ``rows`` local query rows: the batch's real (padded) row count eagerly, the
+    bucket in a graph (which serves batches of more than half its rows), never a sequence capacity.
+    Under 2048 rows, 64-row tiles: enough programs to fill the SMs and at most 63 idle rows per
+    sequence; from 2048, 128 rows over 8 warps (two warpgroups) halve the K/V traffic per query row.
+    fp32 runs its dots (IEEE, no TF32) on the FMA units, whose operand layouts hold a whole row of
+    the reduced dimension per thread: 32 x 16 tiles over 8 warps are the largest that fit. Every choice
+    assembles without register spills for sm_90a (``profiles/kernel_report.py``); the GPU sweep in
+    ``profiles/gpu_check.py`` times them."""
     if dtype == torch.float32:
-        return AttentionTiles(64, 32, 4, 2)    # fp32 tiles are twice the bytes: shared memory under ~64 KiB
-    if rows_per_seq < 128:
-        return AttentionTiles(64, 64, 4, 2) if head_dim == 128 else AttentionTiles(64, 64, 4, 3)
-    return AttentionTiles(128, 64, 8, 3) if head_dim == 128 else AttentionTiles(128, 64, 4, 3)
+        return AttentionTiles(32, 16, 8, 2)
+    if rows < 2048:
+        return AttentionTiles(64, 64, 4, 3)
+    return AttentionTiles(128, 64, 8, 3)
 
 
 def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -176,7 +183,7 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if T == 0:
         return out
     # interpreter: small tiles keep numpy work low on short sequences
-    bm, bn, warps, stages = (attention_tiles(T, D, q.dtype, S) if q.device.type == "cuda"
+    bm, bn, warps, stages = (attention_tiles(T, D, q.dtype) if q.device.type == "cuda"
                              else AttentionTiles(16, 16, 1, 1))
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages
@@ -184,10 +191,7 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if S == 0:
         return out.zero_()
     block_s = max(16, triton.next_power_of_2(S))
-    # Triton's interpreter multiplies bf16 operands as raw integers, so there the dots run in fp32 on
-    # bf16-rounded operands (same rounding points as the GPU's bf16 dots). fp32 stays exact (no tf32).
-    dot_f32 = q.device.type != "cuda" and q.dtype == torch.bfloat16
-    prec = "ieee" if q.dtype == torch.float32 or dot_f32 else None
+    dot_f32, prec = dot_mode(q)
     grid = (Hq, T // bm + S + 1)
     assert grid[1] <= 65535, f"{T} query rows need more than 65535 tiles of {bm}; raise block_m"
     _paged_attn_kernel[grid](
@@ -197,9 +201,9 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         page_rows.stride(0), page_rows.stride(1),
-        T, S, P, float(scale) * _LOG2E,
+        T, S, P, float(scale) * LOG2E,
         GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s, PREC=prec,
-        DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+        DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out), num_warps=warps, num_stages=stages,
     )
     return out
 
