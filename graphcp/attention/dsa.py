@@ -24,9 +24,6 @@ from graphcp.models.dsa_rope import softmax_scale
 from graphcp.profiling import nvtx_range
 
 log = logging.getLogger("graphcp")
-# Query rows run in chunks whose per-chunk intermediates (indexer scores [rows, keys], the torch
-# forms' gathered keys and selected rows) hold at most this many elements.
-CHUNK_ELEMENTS = 2**24
 
 
 @functools.cache
@@ -90,8 +87,8 @@ class DSAAttention:
         self.row_seq = seq.clamp(max=meta.page_rows.shape[0] - 1)
         self.seq_slots = key_slots(meta.page_rows, pool.page_size)    # [S, K] each sequence's keys
         keys, width = self.seq_slots.shape[1], d.kv_lora_rank + d.qk_rope_head_dim
-        self.score_chunk = max(1, CHUNK_ELEMENTS // (keys * d.index_head_dim))
-        self.attend_chunk = max(1, CHUNK_ELEMENTS // (min(keys, self.topk) * width))
+        self.score_chunk = self.kernels.row_chunk(keys, d.index_head_dim)       # rows per call,
+        self.attend_chunk = self.kernels.row_chunk(min(keys, self.topk), width)  # sized by the kernel
         self.selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

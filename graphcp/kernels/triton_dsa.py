@@ -14,7 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcp.kernels import dsa_torch
 from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
+
+
+def row_chunk(keys: int, width: int) -> int:
+    """Query rows per call. The kernels gather keys a tile at a time ([BLOCK_H, BLOCK_K] scores,
+    [BLOCK_N, width] rows): what a call materialises is [rows, keys] (the fp32 scores and their
+    top-k, or the visibility mask), so a chunk holds CHUNK_ELEMENTS // keys rows whatever the width
+    (512 rows at 32K keys, where the torch form takes 4)."""
+    return max(1, dsa_torch.CHUNK_ELEMENTS // keys)
 
 
 @triton.jit
