@@ -13,8 +13,8 @@ from typing import Iterator
 import torch
 
 from graphcp.graph.runner import DEFAULT_BUCKETS
-from graphcp.kernels import (triton_attention, triton_dsa, triton_fp8_gemm, triton_kv_write, triton_moe,
-                             triton_rmsnorm, triton_rope)
+from graphcp.kernels import (triton_attention, triton_dsa, triton_fp8_gemm, triton_kv_write,
+                             triton_moe, triton_rmsnorm, triton_rope)
 
 LADDER = DEFAULT_BUCKETS["cuda"]
 EAGER_ROWS = (16384, 65536)           # eager batches past the largest bucket
@@ -51,17 +51,14 @@ def attention(mock) -> Iterator[Case]:
 
 def kv_write(mock) -> Iterator[Case]:
     fn = triton_kv_write._kv_write_kernel
-    for dtype in (torch.bfloat16, torch.float32):
-        for d in HEAD_DIMS:
-            for h in KV_HEADS:
-                t = triton_kv_write.kv_write_tiles(h, d)
-                x = mock(dtype)
-                args = dict(KP=x, VP=x, SLOTS=mock(I64), K=x, V=x,
-                            stride_kps=h * d, stride_kph=d, stride_kpd=1, stride_vps=h * d, stride_vph=d,
-                            stride_vpd=1, stride_kn=2 * h * d, stride_kh=d, stride_kd=1,
-                            stride_vn=2 * h * d, stride_vh=d, stride_vd=1, N=4096, HEAD_DIM=d,
-                            NUM_HEADS=h, BLOCK_R=t.block_r, BLOCK_E=t.block_e)
-                yield ({"dtype": _name(dtype), **t._asdict()}, fn, args, {"num_warps": t.num_warps})
+    for dtype, d, h in itertools.product((torch.bfloat16, torch.float32), HEAD_DIMS, KV_HEADS):
+        t = triton_kv_write.kv_write_tiles(h, d)
+        x = mock(dtype)
+        args = dict(KP=x, VP=x, SLOTS=mock(I64), K=x, V=x, stride_kps=h * d, stride_kph=d,
+                    stride_kpd=1, stride_vps=h * d, stride_vph=d, stride_vpd=1, stride_kn=2 * h * d,
+                    stride_kh=d, stride_kd=1, stride_vn=2 * h * d, stride_vh=d, stride_vd=1, N=4096,
+                    HEAD_DIM=d, NUM_HEADS=h, BLOCK_R=t.block_r, BLOCK_E=t.block_e)
+        yield {"dtype": _name(dtype), **t._asdict()}, fn, args, {"num_warps": t.num_warps}
 
 
 # (N, K) of the FP8 linears: a 7B-class dense layer and DeepSeek-V3's MoE-free projections.
@@ -72,23 +69,23 @@ FP8_BLOCK_KS = (64, 128, 256)         # K blocks: the real format's 128, and its
 def fp8_gemm(mock) -> Iterator[Case]:
     quant, gemm = triton_fp8_gemm._act_quant_kernel, triton_fp8_gemm._fp8_gemm_kernel
     fp8, f32 = mock(torch.float8_e4m3fn), mock(torch.float32)
-    for dtype, bk in itertools.product((torch.bfloat16, torch.float32), FP8_BLOCK_KS):
+    for dtype, bk, (n, k), m in itertools.product((torch.bfloat16, torch.float32), FP8_BLOCK_KS,
+                                                  FP8_SHAPES, ROWS):
         x = mock(dtype)
-        for n, k in FP8_SHAPES:
-            for m in ROWS:
-                block_m, warps = triton_fp8_gemm.quant_tiles(bk)
-                args = dict(X=x, XQ=fp8, XS=f32, M=m, K=k, k_offset=0, stride_x=k, stride_xq=k,
-                            stride_xs=m, fp8_max=448.0, BLOCK_M=block_m, BLOCK_K=bk)
-                yield ({"dtype": _name(dtype), "block_m": block_m, "block_k": bk, "num_warps": warps},
-                       quant, args, {"num_warps": warps})
-                t = triton_fp8_gemm.gemm_tiles(m)
-                args = dict(XQ=fp8, XS=f32, W=fp8, WS=f32, WROWS=mock(I64), B=x, Y=x, M=m, N=n, K=k,
-                            k_offset=0, num_kb=k // bk, stride_xq=k, stride_xs=m, stride_w=k,
-                            stride_ws=k // bk, stride_y=n, HAS_BIAS=False, BLOCK_M=t[0],
-                            BLOCK_N=t[1], BLOCK_K=bk, WIDE=False)
-                config = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), t))
-                yield ({"dtype": _name(dtype), "block_k": bk, **config}, gemm, args,
-                       {"num_warps": t[2], "num_stages": t[3]})
+        block_m, warps = triton_fp8_gemm.quant_tiles(bk)
+        args = dict(X=x, XQ=fp8, XS=f32, M=m, K=k, k_offset=0, stride_x=k, stride_xq=k, stride_xs=m,
+                    fp8_max=448.0, BLOCK_M=block_m, BLOCK_K=bk)
+        config = {"dtype": _name(dtype), "block_m": block_m, "block_k": bk, "num_warps": warps}
+        yield config, quant, args, {"num_warps": warps}
+        t = triton_fp8_gemm.gemm_tiles(m)
+        for wide in (False, True):
+            args = dict(XQ=fp8, XS=f32, W=fp8, WS=f32, WROWS=mock(I64), B=x, Y=x, M=m, N=n, K=k,
+                        k_offset=0, num_kb=k // bk, stride_xq=k, stride_xs=m, stride_w=k,
+                        stride_ws=k // bk, stride_y=n, HAS_BIAS=False, BLOCK_M=t[0], BLOCK_N=t[1],
+                        BLOCK_K=bk, WIDE=wide)
+            config = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), t))
+            yield ({"dtype": _name(dtype), "block_k": bk, **config, "wide": wide}, gemm, args,
+                   {"num_warps": t[2], "num_stages": t[3]})
 
 
 # (hidden, moe_intermediate, experts, top-k): Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3.
@@ -148,7 +145,8 @@ def dsa_mla(mock) -> Iterator[Case]:
                     stride_vb=TOPK, stride_ob=heads * LATENT, stride_oh=LATENT,
                     BLOCK_H=t[0], BLOCK_C=t[1], BLOCK_R=t[2], BLOCK_N=t[3],
                     PREC="ieee" if dtype == torch.float32 else None, DOT_F32=False, WIDE=wide)
-        config = dict(zip(("block_h", "block_c", "block_r", "block_n", "num_warps", "num_stages"), t))
+        names = ("block_h", "block_c", "block_r", "block_n", "num_warps", "num_stages")
+        config = dict(zip(names, t))
         yield ({"dtype": _name(dtype), **config, "wide": wide}, fn, args,
                {"num_warps": t[4], "num_stages": t[5]})
 
@@ -159,15 +157,14 @@ NORM_WIDTHS = (64, 128, 512, 1536, 2048, 4096, 5120, 7168, 8192)
 
 def rmsnorm(mock) -> Iterator[Case]:
     fn = triton_rmsnorm._rmsnorm_kernel
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, n, add in itertools.product((torch.bfloat16, torch.float32), NORM_WIDTHS,
+                                           (False, True)):
+        block, warps = triton_rmsnorm.rmsnorm_tiles(n)
         x = mock(dtype)
-        for n in NORM_WIDTHS:
-            block, warps = triton_rmsnorm.rmsnorm_tiles(n)
-            for add in (False, True):
-                args = dict(X=x, R=x, W=x, Y=x, S=x, stride_xt=n, stride_xh=n, stride_rt=n,
-                            stride_yt=n, stride_yh=n, stride_st=n, N=n, eps=1e-6, BLOCK=block, ADD=add)
-                yield ({"dtype": _name(dtype), "block": block, "num_warps": warps, "add": add}, fn, args,
-                       {"num_warps": warps})
+        args = dict(X=x, R=x, W=x, Y=x, S=x, stride_xt=n, stride_xh=n, stride_rt=n, stride_yt=n,
+                    stride_yh=n, stride_st=n, N=n, eps=1e-6, BLOCK=block, ADD=add)
+        config = {"dtype": _name(dtype), "block": block, "num_warps": warps, "add": add}
+        yield config, fn, args, {"num_warps": warps}
 
 
 ROPE_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -175,12 +172,10 @@ ROPE_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 def rope(mock) -> Iterator[Case]:
     fn = triton_rope._rope_kernel
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, d, h in itertools.product((torch.bfloat16, torch.float32), HEAD_DIMS, ROPE_HEADS):
+        block_h, block_d, warps = triton_rope.rope_tiles(h, d)
         x = mock(dtype)
-        for d in HEAD_DIMS:
-            for h in ROPE_HEADS:
-                block_h, block_d, warps = triton_rope.rope_tiles(h, d)
-                args = dict(X=x, COS=x, SIN=x, Y=x, stride_xt=3 * h * d, stride_xh=d, stride_yt=h * d,
-                            stride_yh=d, stride_ct=d, H=h, HALF=d // 2, BLOCK_D=block_d, BLOCK_H=block_h)
-                yield ({"dtype": _name(dtype), "block_h": block_h, "block_d": block_d,
-                        "num_warps": warps}, fn, args, {"num_warps": warps})
+        args = dict(X=x, COS=x, SIN=x, Y=x, stride_xt=3 * h * d, stride_xh=d, stride_yt=h * d,
+                    stride_yh=d, stride_ct=d, H=h, HALF=d // 2, BLOCK_D=block_d, BLOCK_H=block_h)
+        config = {"dtype": _name(dtype), "block_h": block_h, "block_d": block_d, "num_warps": warps}
+        yield config, fn, args, {"num_warps": warps}

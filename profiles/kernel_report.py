@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""Registers, spills and shared memory of every Triton kernel graphcp launches on CUDA, without a GPU.
+"""Registers, spills and shared memory of every Triton kernel graphcp launches on CUDA, no GPU.
 
     python profiles/kernel_report.py --arch sm_90a --out profiles/out/kernels
-    python profiles/kernel_report.py --arch sm_90a --out /tmp/kr --per-family 1     # a quick subset
+    python profiles/kernel_report.py --arch sm_90a --out /tmp/kr --sample   # first config a kernel
 
 Triton compiles for a target it is told (no driver needed) and its bundled ptxas assembles the PTX;
 ``ptxas -v`` reports registers and spills. Configurations come from the kernels' own tile-choice
-functions (``attention_tiles``, ``gemm_tiles``, ...) evaluated over the default CUDA bucket ladder and
-the model shapes graphcp serves, so the report follows the engine's rules, never a copy of them.
+functions (``attention_tiles``, ``gemm_tiles``, ...) evaluated over the default CUDA bucket ladder
+and the model shapes graphcp serves (``kernel_cases.py``), so the report follows the engine's rules,
+never a copy of them.
 The kernels' argument specialisation (which ints are 1, which are multiples of 16) is Triton's own,
 from its binder, on the arguments the launch wrappers pass at those shapes.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "0"          # compile, not interpret: set before triton is imported
+os.environ["TRITON_INTERPRET"] = "0"          # compile, not interpret: before triton is imported
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -81,7 +82,7 @@ def compile_case(case: Case, target: GPUTarget):
 
 
 def ptxas_usage(ptx_path: str, arch: str) -> dict:
-    """Registers and spill bytes as ptxas reports them for ``arch`` (the flags Triton itself uses)."""
+    """Registers and spill bytes as ptxas reports them for ``arch`` (with Triton's own flags)."""
     from triton.backends.nvidia.compiler import get_ptxas
     ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
     cmd = [ptxas, "-v", "-lineinfo", "--regAllocOptLevel=2", f"--gpu-name={arch}", ptx_path,
@@ -98,7 +99,7 @@ def ptxas_usage(ptx_path: str, arch: str) -> dict:
 
 
 def enumerate_cases() -> dict[str, list[Case]]:
-    """Every configuration per family, deduplicated (two shapes with the same tiles compile once)."""
+    """Every configuration per family, deduplicated (shapes with the same tiles compile once)."""
     out = {}
     for family in FAMILIES:
         seen, cases = set(), []
@@ -111,17 +112,21 @@ def enumerate_cases() -> dict[str, list[Case]]:
     return out
 
 
-def run(arch: str, out_dir: str, per_family: int | None = None,
+def run(arch: str, out_dir: str, sample: bool = False,
         families: tuple[str, ...] = FAMILIES) -> list[dict]:
+    """Compile the enumerated cases of ``families`` (with ``sample``, the first of each kernel)."""
     target = target_for(arch)
     os.makedirs(out_dir, exist_ok=True)
     cases = enumerate_cases()
     with open(os.path.join(out_dir, "configs.json"), "w") as f:
-        json.dump({fam: [c.config | {"kernel": c.fn.__name__} for c in cs] for fam, cs in cases.items()},
-                  f, indent=1)
-    rows = []
+        json.dump({fam: [c.config | {"kernel": c.fn.__name__} for c in cs]
+                   for fam, cs in cases.items()}, f, indent=1)
+    rows, sampled = [], set()
     for family in families:
-        for case in cases[family][:per_family]:
+        for case in cases[family]:
+            if sample and (family, case.fn.__name__) in sampled:
+                continue
+            sampled.add((family, case.fn.__name__))
             t0 = time.monotonic()
             kernel = compile_case(case, target)
             ptx = os.path.join(out_dir, case.name + ".ptx")
@@ -144,16 +149,16 @@ def _row(r: dict) -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    lines = ["| family | configs | max registers | spilled configs | max spill (bytes) | max shared (KiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| family | configs | max registers | spilled configs | max spill (bytes) "
+             "| max shared (KiB) |", "|---|---|---|---|---|---|"]
     for family in FAMILIES:
         fam = [r for r in rows if r["family"] == family]
         if fam:
             spilled = sum(1 for r in fam if r["spill_store_bytes"] or r["spill_load_bytes"])
             spill = max(max(r["spill_store_bytes"], r["spill_load_bytes"]) for r in fam)
             shared = max(r["shared_bytes"] for r in fam) / 1024
-            lines.append(f"| {family} | {len(fam)} | {max(r['registers'] for r in fam)} | {spilled} "
-                         f"| {spill} | {shared:.1f} |")
+            regs = max(r["registers"] for r in fam)
+            lines.append(f"| {family} | {len(fam)} | {regs} | {spilled} | {spill} | {shared:.1f} |")
     return "\n".join(lines)
 
 
@@ -161,11 +166,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--per-family", type=int, default=None, help="compile at most N configs per family")
+    ap.add_argument("--sample", action="store_true",
+                    help="compile only the first configuration of each kernel")
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     args = ap.parse_args()
     print(f"{'family':<10} {'kernel':<22} {'regs':>4} {'st':>6} {'ld':>6} {'smem':>7}  config")
-    rows = run(args.arch, args.out, args.per_family, tuple(args.families))
+    rows = run(args.arch, args.out, args.sample, tuple(args.families))
     print("\n" + summary(rows))
     spilled = [r for r in rows if r["spill_store_bytes"] or r["spill_load_bytes"]]
     print(f"\n{len(rows)} kernels, {len(spilled)} with spills; report in {args.out}/report.json")

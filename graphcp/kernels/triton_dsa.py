@@ -5,8 +5,10 @@ indexer rows through the row's slots and computes sum over heads of weight x ReL
 one [heads x Di] @ [Di x keys] dot; positions past the row's causal limit score -inf. The top-k over
 the scores stays ``torch.topk``. ``sparse_mla``: one program per (query row, block of heads) runs an
 online softmax over the row's selected cache rows, latent and RoPE parts as two dots, values the
-latent part.
-fp32 dots use IEEE precision (no TF32), so fp32 results match the torch reference to rounding.
+latent part. Both gather keys as [keys, width] rows (each row contiguous) and read them transposed
+in the dots; offsets are int32 unless a tensor spans 2**31 elements.
+bf16/fp16 dots run on the tensor cores in the input dtype (P@V in the cache dtype, as flash kernels
+do); fp32 dots use IEEE precision (no TF32), so fp32 results match the torch reference to rounding.
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Ten
                           num_keys, dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0),
                           index_keys.stride(0), slots.stride(0), out.stride(0),
                           BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_K=block_k, PREC=prec,
-                          DOT_F32=dot_f32, WIDE=needs_int64(q, index_keys, slots, out), num_warps=warps)
+                          DOT_F32=dot_f32, WIDE=needs_int64(q, index_keys, slots, out),
+                          num_warps=warps)
     return out
 
 
@@ -155,13 +158,14 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, selected_slots: torch.Tensor,
     out = torch.empty(rows, heads, latent_dim, dtype=q.dtype, device=q.device)
     q, sel = q.contiguous(), selected_slots.contiguous()
     vis = visible.to(torch.int8).contiguous()
-    block_h, block_c, block_r, block_n, warps, stages = mla_tiles(heads, latent_dim, width - latent_dim)
+    rope = width - latent_dim
+    block_h, block_c, block_r, block_n, warps, stages = mla_tiles(heads, latent_dim, rope)
     head_blocks = triton.cdiv(heads, block_h)
     dot_f32, prec = dot_mode(q)
     _sparse_mla_kernel[(rows * head_blocks,)](
-        q, kv, sel, vis, out, heads, latent_dim, width - latent_dim, num_sel, head_blocks,
+        q, kv, sel, vis, out, heads, latent_dim, rope, num_sel, head_blocks,
         scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0), sel.stride(0), vis.stride(0),
         out.stride(0), out.stride(1), BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r,
-        BLOCK_N=block_n, PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, kv, sel, out), num_warps=warps,
-        num_stages=stages)
+        BLOCK_N=block_n, PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, kv, sel, out),
+        num_warps=warps, num_stages=stages)
     return out

@@ -104,7 +104,7 @@ def _fp8_gemm_kernel(
     w_rows = tl.load(WROWS + rn, mask=n_ok, other=0)
     w_rows = w_rows.to(tl.int64) if WIDE else w_rows.to(tl.int32)
     x_ptr = XQ + rm_o[:, None] * stride_xq + rk[None, :]                 # [BLOCK_M, BLOCK_K]
-    w_ptr = W + rn_o[:, None] * stride_w + (rk - k_offset)[None, :]      # [BLOCK_N, BLOCK_K], K contiguous
+    w_ptr = W + rn_o[:, None] * stride_w + (rk - k_offset)[None, :]      # [BLOCK_N, BLOCK_K]
     xs_ptr = XS + rm
     ws_ptr = WS + w_rows * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

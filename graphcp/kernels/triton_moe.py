@@ -60,7 +60,8 @@ def moe_row_tile(rows_per_expert: float) -> int:
 
 def moe_tiles(block_m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMM [rows, k] @ [k, n]."""
-    return min(64, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(k))), 4, 3
+    return (min(64, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(k))),
+            4, 3)
 
 
 def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
@@ -75,8 +76,8 @@ def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
     grid = (cap // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, rows, w, out, tile_expert, k, n, a.stride(0), w.stride(0),
                                w.stride(1), w.stride(2), out.stride(0), BLOCK_M=block_m,
-                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec, WIDE=needs_int64(a, out),
-                               num_warps=warps, num_stages=stages)
+                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec,
+                               WIDE=needs_int64(a, out), num_warps=warps, num_stages=stages)
     return out
 
 

@@ -9,7 +9,8 @@ LOG2E = 1.4426950408889634
 def needs_int64(*tensors: torch.Tensor) -> bool:
     """Whether an offset into one of ``tensors`` can reach 2**31 (its largest offset + 1). Kernels
     address in int32 otherwise: half the registers per offset, and no 64-bit multiplies."""
-    return max(1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) for t in tensors) >= 2**31
+    largest = max(sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) for t in tensors)
+    return largest + 1 >= 2**31
 
 
 def dot_mode(x: torch.Tensor) -> tuple[bool, str | None]:
