@@ -397,7 +397,8 @@ def _cuda_ms(fn, warmup: int, reps: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
-TILE_SWEEP = ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3))
+TILE_SWEEP = ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+              (64, 32, 4, 3))
 
 
 def _tile_sweep(rep: Report, kernel, args: tuple, reps: int, notes: list) -> dict:  # noqa: ANN001
