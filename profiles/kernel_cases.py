@@ -99,7 +99,7 @@ def moe(mock) -> Iterator[Case]:
         x = mock(dtype)
         block_m = triton_moe.moe_row_tile(rows * topk / experts)
         for n, k in ((2 * inter, hidden), (hidden, inter)):            # gate_up, then down
-            t = triton_moe.moe_tiles(block_m, n, k)
+            t = triton_moe.moe_tiles(n, k)
             args = dict(A=x, ROWS=mock(I64), W=x, OUT=x, TILE_EXPERT=mock(I64), K=k, N=n,
                         stride_am=k, stride_we=n * k, stride_wn=k, stride_wk=1, stride_om=n,
                         BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=t[1],

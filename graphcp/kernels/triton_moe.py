@@ -58,7 +58,7 @@ def moe_row_tile(rows_per_expert: float) -> int:
     return max([b for b in (16, 32, 64) if b <= rows_per_expert / 4], default=16)
 
 
-def moe_tiles(block_m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def moe_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMM [rows, k] @ [k, n]."""
     return (min(64, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(k))),
             4, 3)
@@ -71,7 +71,7 @@ def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
     a, cap, n, k = a.contiguous(), rows.shape[0], w.shape[1], w.shape[2]
     block_m = cap // tile_expert.shape[0]
     out = a.new_empty((cap, n))
-    block_n, block_k, warps, stages = moe_tiles(block_m, n, k)
+    block_n, block_k, warps, stages = moe_tiles(n, k)
     prec = "ieee" if a.dtype == torch.float32 else "tf32"
     grid = (cap // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, rows, w, out, tile_expert, k, n, a.stride(0), w.stride(0),
