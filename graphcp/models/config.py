@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
+from graphcp.models.deepseek_v4_config import V4_ARCHITECTURES, DeepseekV4Config, v4_fields
 from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
 
@@ -16,11 +17,12 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
     **DSA_ARCHITECTURES,
+    **V4_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-                "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
           "num_attention_heads": 1024, "num_experts": 4096,
@@ -56,6 +58,7 @@ class ModelConfig:
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
+    v4: DeepseekV4Config | None = None  # DeepSeek V4 (models/deepseek_v4_config.py)
 
     @property
     def q_size(self) -> int:
@@ -94,6 +97,10 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
             raise ConfigError(f"--model-path: {source} {key}={raw[key]} exceeds the limit {LIMITS[key]}")
         return raw[key]
 
+    if arch in V4_ARCHITECTURES:       # its own rotaries, layer kinds and MoE fields
+        fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
+        return ModelConfig(architecture=arch, family=family, fp8_block=fp8_block, fp8_skip=fp8_skip,
+                           **v4_fields(raw, need))
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:

@@ -16,6 +16,8 @@ from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.deepseek_v32 import DSACausalLM
+from graphcp.models.deepseek_v4 import DeepseekV4CausalLM
+from graphcp.models.deepseek_v4_names import RenamedReader
 from graphcp.models.gguf import GGUFTensors, is_gguf
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
@@ -51,8 +53,11 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
     cfg = read_model_config(model_path)
     reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
+    if cfg.v4 is not None:               # DeepSeek's tensor names, seen as transformers names
+        reader = RenamedReader(reader)
     names = set(reader.shapes)
     model_class = DSACausalLM if cfg.dsa is not None else CausalLM
+    model_class = DeepseekV4CausalLM if cfg.v4 is not None else model_class
     with torch.device("meta"):
         full = model_class(cfg)
         model = model_class(cfg, tp, layers, ffn_tp, ep)
@@ -74,7 +79,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
     if keep_fp8 is None:
         keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
-    keep_fp8 = keep_fp8 and cfg.dsa is None      # MLA's absorbed form needs kv_b_proj dequantized
+    # MLA's absorbed form needs kv_b_proj dequantized; V4's grouped o_a_proj is a batched GEMM
+    keep_fp8 = keep_fp8 and cfg.dsa is None and cfg.v4 is None
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
 
