@@ -1,0 +1,170 @@
+"""DeepSeek V4 equals HF transformers on tiny random checkpoints: last-token logits and every cache
+part (sliding-window keys, compressed entries, indexer keys, the compressors' open-window buffers
+and overlap state) after batched, chunked prefill with chunk boundaries inside windows; and
+interleave CP 2 and 4 (real gloo groups) equals one rank. graphcp's model runs over explicit
+per-request caches here (``attention/deepseek_v4.py``); the engine refuses V4 until its paged
+caches land."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from deepseek_v4_reference import (VOCAB, V4Oracle, cp_worker, make_legacy_checkpoint,
+                                   make_v4_checkpoint, ours_layer, prefill)
+from hf_reference import rel_err
+from parity import TOL, random_ids
+
+from graphcp import ConfigError, Engine, EngineArgs
+from graphcp.models import load_model, read_model_config
+
+A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29, VOCAB, 43)
+# a: 37 + 50 + 113 tokens (boundaries inside CSA windows of 4 and HCA windows of 16), b: 61 + 79,
+# c: 29 in one; "one" holds a's 200 tokens in one forward.
+BATCHES = [[("a", A[:37]), ("b", B[:61])],
+           [("a", A[37:87]), ("c", C), ("one", A)],
+           [("a", A[87:]), ("b", B[61:])]]
+
+
+@pytest.fixture(scope="module")
+def v4(ckpt_dir):
+    return make_v4_checkpoint(str(ckpt_dir / "deepseek_v4"))
+
+
+@pytest.fixture(scope="module")
+def v4_legacy(ckpt_dir):
+    return make_legacy_checkpoint(str(ckpt_dir / "deepseek_v4_legacy"))
+
+
+@pytest.fixture(scope="module")
+def v4_oracle():
+    return V4Oracle()
+
+
+def _cache_errors(ours: tuple, theirs: tuple, where: str) -> list[float]:
+    """Relative errors of every cache tensor; shapes must agree (None where HF has none)."""
+    errs = []
+    for a, b in zip(_flatten(ours), _flatten(theirs)):
+        assert (a is None) == (b is None), f"{where}: cache part present on one side only"
+        if b is None:
+            continue
+        assert a.shape == b.shape, f"{where}: {tuple(a.shape)} vs {tuple(b.shape)}"
+        if b.numel():
+            errs.append(rel_err(a, b))
+    return errs
+
+
+def _flatten(layer: tuple) -> list:
+    window, comp, index = layer
+    return [window, *(comp or (None,) * 3), *(index or (None,) * 3)]
+
+
+def _run(path: str, oracle: V4Oracle) -> tuple[dict, list]:
+    """The batches on one rank, each request checked against HF on its history -> (the last
+    caches, each forward's (hidden, logits)) ; prints the worst error."""
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    caches, history, worst, steps = {}, {}, 0.0, []
+    for batch in BATCHES:
+        hidden, _, logits = prefill(model, caches, batch)
+        steps.append((hidden, logits))
+        for rid, ids in batch:
+            history[rid] = history.get(rid, []) + ids
+            ref_logits, ref_layers = oracle(path, history[rid])
+            errs = [rel_err(logits[rid], ref_logits)]
+            for layer, (state, ref) in enumerate(zip(caches[rid], ref_layers)):
+                errs += _cache_errors(ours_layer(state), ref, f"{rid} layer {layer}")
+            assert max(errs) <= TOL, f"{rid} after {len(history[rid])} tokens: {max(errs):.2e}"
+            worst = max(worst, *errs)
+    print(f"worst rel err {worst:.2e}")
+    return caches, steps
+
+
+@pytest.mark.parametrize("name", ["v4", "v4_legacy"])
+def test_single_rank_matches_hf(request, v4_oracle, name):
+    path = request.getfixturevalue(name)
+    caches, steps = _run(path, v4_oracle)
+    assert rel_err(steps[2][1]["a"], steps[1][1]["one"]) <= TOL      # chunked equals one pass
+    kinds = read_model_config(path).v4.layer_types
+    for layer, kind in enumerate(kinds):            # what a 200-token request leaves in the caches
+        state = caches["a"][layer]
+        assert state.length == 200 and state.window.shape[0] == 15
+        if kind != "sliding_attention":
+            rate = 4 if kind.startswith("compressed") else 16
+            assert state.compressor.entries.shape[0] == 200 // rate
+            assert state.compressor.buffer.shape[0] == 200 % rate
+
+
+def test_selection_and_compression_change_the_answer(v4, v4_oracle, tmp_path):
+    """The same weights with index_topk above the entry count (dense CSA) give other logits, and
+    so does the HCA layer without its compressed branch (a sliding layer, its compressor weights
+    unused): the parity above checks the top-k and the compressed entries."""
+    ids = A[:150]
+    base = v4_oracle(v4, ids)[0]
+    kinds = ["compressed_sparse_attention", "sliding_attention", "sliding_attention"]
+    for key, value in (("index_topk", 64), ("layer_types", kinds)):
+        variant = tmp_path / key
+        shutil.copytree(v4, variant)
+        cfg = json.loads((variant / "config.json").read_text())
+        cfg[key] = value
+        (variant / "config.json").write_text(json.dumps(cfg))
+        assert rel_err(v4_oracle(str(variant), ids)[0], base) > 1e-3, key
+
+
+def test_interleave_cp_matches_one_rank(v4, tmp_path):
+    """4 gloo ranks: CP 4, then CP 2 on each pair. Each rank's hidden rows equal one rank's rows
+    at its tokens (t % C == rank), every rank holds the whole cache, and each layer gathers its new
+    rows (K = V, compressor and indexer projections) in one all-gather."""
+    model = load_model(v4, torch.float32, torch.device("cpu"))
+    caches, single = {}, []
+    for batch in BATCHES:
+        hidden, _, logits = prefill(model, caches, batch)
+        single.append((hidden, logits, {rid: [ours_layer(s) for s in layers]
+                                        for rid, layers in caches.items()}))
+    mp.spawn(cp_worker, args=(4, v4, BATCHES, str(tmp_path)), nprocs=4, join=True)
+    # gathered row widths per layer (CSA, sliding, HCA): K = V 32, the compressor's kv | gate of
+    # 2 x 64 (CSA, overlapping) or 2 x 32 (HCA), the indexer's 2 x 32
+    worst, widths = 0.0, [32 + 2 * 64 + 2 * 32, 32, 32 + 2 * 32]
+    for rank in range(4):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for cp_size, steps in results.items():
+            for (hidden, logits, ref_caches), step in zip(single, steps):
+                assert step["local"].tolist() == list(range(rank % cp_size, hidden.shape[0], cp_size))
+                assert step["gathers"] == widths
+                errs = [rel_err(step["hidden"], hidden[step["local"]])]
+                errs += [rel_err(step["logits"][rid], logits[rid]) for rid in step["logits"]]
+                for rid, layers in ref_caches.items():
+                    for layer, ref in enumerate(layers):
+                        errs += _cache_errors(step["caches"][rid][layer], ref, f"{rid} {layer}")
+                assert max(errs) <= TOL, f"CP {cp_size} rank {rank}: {max(errs):.2e}"
+                worst = max(worst, *errs)
+    print(f"worst rel err vs one rank {worst:.2e}")
+
+
+@pytest.mark.parametrize("key,value,flag", [
+    ("num_key_value_heads", 2, "num_key_value_heads"),
+    ("scoring_func", "softmax", "scoring_func"),
+    ("n_shared_experts", 2, "n_shared_experts"),
+    ("norm_topk_prob", False, "norm_topk_prob"),
+    ("layer_types", ["sliding_attention"] * 2, "layer_types"),
+    ("mlp_layer_types", ["dense"] * 3, "mlp_layer_types"),
+    ("compress_rates", {"compressed_sparse_attention": 0,
+                        "heavily_compressed_attention": 16}, "compress_rates"),
+    ("o_groups", 3, "o_groups"),
+    ("rope_parameters", {"main": {"rope_type": "llama3", "rope_theta": 1e4},
+                         "compress": {"rope_type": "default", "rope_theta": 1e4}}, "rope_type"),
+])
+def test_config_errors_name_the_field(v4, tmp_path, key, value, flag):
+    bad = tmp_path / "bad"
+    shutil.copytree(v4, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg[key] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=flag):
+        read_model_config(str(bad))
+
+
+def test_engine_refuses_until_integrated(v4):
+    with pytest.raises(ConfigError, match="DeepseekV4ForCausalLM"):
+        Engine(EngineArgs(model_path=v4, max_total_tokens=1024))
