@@ -61,7 +61,8 @@ def make_v4_checkpoint(path: str, seed: int = 31, **overrides) -> str:
 def make_legacy_checkpoint(path: str, seed: int = 32) -> str:
     """A config.json in the legacy keys (per-layer ``compress_ratios``, ``compress_rate_hca``,
     ``num_hash_layers``, flat ``rope_scaling``, ``qk_rope_head_dim``), sigmoid scoring, tied
-    embeddings, and one safetensors file in transformers' module names (fused experts)."""
+    embeddings, and one safetensors file in transformers' module names (fused experts), with an
+    MTP tensor."""
     import transformers
     raw = {k: v for k, v in TINY.items()}
     raw.update(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
@@ -74,6 +75,7 @@ def make_legacy_checkpoint(path: str, seed: int = 32) -> str:
     model = transformers.DeepseekV4ForCausalLM(transformers.AutoConfig.from_pretrained(path)).float()
     _randomize(model, seed)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state["mtp.0.ffn.gate.weight"] = torch.zeros(8, 64)     # the MTP layer both loaders skip
     save_file(state, os.path.join(path, "model.safetensors"))
     return path
 

@@ -7,6 +7,7 @@ caches land."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -14,11 +15,13 @@ import torch
 import torch.multiprocessing as mp
 from deepseek_v4_reference import (VOCAB, V4Oracle, cp_worker, make_legacy_checkpoint,
                                    make_v4_checkpoint, ours_layer, prefill)
+from fp8_checkpoint import make_fp8_checkpoint
 from hf_reference import rel_err
 from parity import TOL, random_ids
 
 from graphcp import ConfigError, Engine, EngineArgs
 from graphcp.models import load_model, read_model_config
+from graphcp.models.deepseek_v4_names import v4_model_name
 
 A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29, VOCAB, 43)
 # a: 37 + 50 + 113 tokens (boundaries inside CSA windows of 4 and HCA windows of 16), b: 61 + 79,
@@ -84,6 +87,8 @@ def _run(path: str, oracle: V4Oracle) -> tuple[dict, list]:
 @pytest.mark.parametrize("name", ["v4", "v4_legacy"])
 def test_single_rank_matches_hf(request, v4_oracle, name):
     path = request.getfixturevalue(name)
+    if name == "v4":                                   # transformers wrote it sharded
+        assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     caches, steps = _run(path, v4_oracle)
     assert rel_err(steps[2][1]["a"], steps[1][1]["one"]) <= TOL      # chunked equals one pass
     kinds = read_model_config(path).v4.layer_types
@@ -94,6 +99,48 @@ def test_single_rank_matches_hf(request, v4_oracle, name):
             rate = 4 if kind.startswith("compressed") else 16
             assert state.compressor.entries.shape[0] == 200 // rate
             assert state.compressor.buffer.shape[0] == 200 % rate
+
+
+def test_fp8_checkpoint_matches_its_dequantized_twin(v4_legacy, v4_oracle, tmp_path):
+    """Every projection block-quantized (the compressors' and indexer-weight projections stay
+    unquantized, as transformers keeps them) and read through graphcp's FP8 path, against HF on
+    the exactly dequantized checkpoint."""
+    kinds = read_model_config(v4_legacy).v4.layer_types
+    keep = ["lm_head"] + [f"model.layers.{i}.self_attn.compressor.{part}"
+                          for i, kind in enumerate(kinds) if kind != "sliding_attention"
+                          for part in ("kv_proj", "gate_proj", "indexer.kv_proj",
+                                       "indexer.gate_proj", "indexer.scorer.weights_proj")]
+    fp8, twin = make_fp8_checkpoint(v4_legacy, str(tmp_path / "fp8"), str(tmp_path / "twin"),
+                                    (16, 16), tuple(keep))
+    model = load_model(fp8, torch.float32, torch.device("cpu"))
+    assert read_model_config(fp8).fp8_block == (16, 16)
+    _, _, logits = prefill(model, {}, [("a", A)])
+    err = rel_err(logits["a"], v4_oracle(twin, A)[0])
+    print(f"fp8 rel err {err:.2e}")
+    assert err <= TOL
+
+
+def test_checkpoint_names():
+    """DeepSeek's own names (no ``model.`` prefix), those transformers writes back and its module
+    names all load the same parameters; MTP tensors are skipped."""
+    same = {
+        "embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+        "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+        "layers.3.attn.wq_a.weight_scale_inv": "model.layers.3.self_attn.q_a_proj.weight_scale_inv",
+        "model.layers.3.attn.norm.weight": "model.layers.3.self_attn.kv_norm.weight",
+        "layers.3.attn.compressor.ape": "model.layers.3.self_attn.compressor.position_bias",
+        "layers.3.attn.indexer.compressor.norm.weight":
+            "model.layers.3.self_attn.compressor.indexer.kv_norm.weight",
+        "layers.3.attn.indexer.weights_proj.weight":
+            "model.layers.3.self_attn.compressor.indexer.scorer.weights_proj.weight",
+        "layers.3.hc_ffn_scale": "model.layers.3.ffn_hc.scale",
+        "layers.3.ffn.gate.bias": "model.layers.3.mlp.gate.e_score_correction_bias",
+        "layers.3.ffn.experts.5.w2.weight": "model.layers.3.mlp.experts.5.down_proj.weight",
+        "model.layers.3.self_attn.q_b_proj.weight": "model.layers.3.self_attn.q_b_proj.weight",
+    }
+    for name, target in same.items():
+        assert v4_model_name(name) == target, name
+    assert v4_model_name("mtp.0.attn.wq_a.weight") is None
 
 
 def test_selection_and_compression_change_the_answer(v4, v4_oracle, tmp_path):
