@@ -120,6 +120,21 @@ def test_fp8_checkpoint_matches_its_dequantized_twin(v4_legacy, v4_oracle, tmp_p
     assert err <= TOL
 
 
+def test_bf16_matches_hf_bf16(v4):
+    """In bf16, the parts transformers keeps in fp32 (hyper-connections, norms, sinks, position
+    biases, the correction bias) stay fp32 here too."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(v4, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([A])).logits[0, -1].float()
+    model = load_model(v4, torch.bfloat16, torch.device("cpu"))
+    assert model.model.layers["0"].self_attn.sinks.dtype == torch.float32
+    _, _, logits = prefill(model, {}, [("a", A)])
+    err = rel_err(logits["a"], ref)
+    print(f"bf16 rel err vs HF bf16 {err:.2e}")
+    assert err <= 1e-2
+
+
 def test_checkpoint_names():
     """DeepSeek's own names (no ``model.`` prefix), those transformers writes back and its module
     names all load the same parameters; MTP tensors are skipped."""

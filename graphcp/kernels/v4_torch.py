@@ -61,10 +61,10 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Shared-KV attention (values are the keys) whose softmax also counts one learned logit per
     head that attends nothing. q [B, H, D], keys [B, K, D] (each row's own keys), visible [B, K],
-    sinks [H] -> [B, H, D]."""
+    sinks [H] fp32 -> [B, H, D]. The softmax runs in fp32 (transformers' fp32 sinks promote it)."""
     scores = torch.matmul(q, keys.transpose(1, 2)) * scale                     # [B, H, K]
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    sink = sinks.to(scores.dtype)[None, :, None].expand(q.shape[0], -1, 1)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf")).float()
+    sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]

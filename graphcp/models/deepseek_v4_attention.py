@@ -37,6 +37,8 @@ class Compressor(nn.Module):
     """Projects each token to a kv and a gate row (``rows``); ``compress`` pools closed windows of
     ``rate`` tokens into entries, RMS-normed and rotated at their window's first position."""
 
+    fp32_tensors = ("position_bias",)       # kept fp32 in any model dtype, as transformers
+
     def __init__(self, hidden: int, entry_dim: int, rate: int, overlapping: bool, eps: float,
                  rotary: V4Rotary) -> None:
         super().__init__()
@@ -112,6 +114,8 @@ class V4Rows:
 
 
 class V4Attention(nn.Module):
+    fp32_tensors = ("sinks",)
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: V4Rotary) -> None:
         super().__init__()
         v4, hidden, heads, d = cfg.v4, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim

@@ -20,6 +20,8 @@ class V4Router(nn.Module):
     """-> (weights [N, k], expert ids [N, k]): the chosen experts' scores renormalised, times
     ``routed_scaling_factor``."""
 
+    fp32_tensors = ("e_score_correction_bias",)
+
     def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
         super().__init__()
         v4, experts = cfg.v4, cfg.num_experts
@@ -30,6 +32,7 @@ class V4Router(nn.Module):
         if hashed:
             table = torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long)
             self.register_buffer("tid2eid", table)
+            self.fp32_tensors = ()
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(experts))
 

@@ -73,6 +73,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     for module in model.modules():        # routers and the like that HF keeps in fp32
         if getattr(module, "keep_fp32", False):
             module.float()
+        for name in getattr(module, "fp32_tensors", ()):     # single parameters or buffers
+            getattr(module, name).data = getattr(module, name).data.float()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
