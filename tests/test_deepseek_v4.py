@@ -29,6 +29,7 @@ A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29,
 BATCHES = [[("a", A[:37]), ("b", B[:61])],
            [("a", A[37:87]), ("c", C), ("one", A)],
            [("a", A[87:]), ("b", B[61:])]]
+CP_BATCHES = BATCHES[:2]        # several requests, a cached prefix, a 200-token one
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +65,12 @@ def _flatten(layer: tuple) -> list:
     return [window, *(comp or (None,) * 3), *(index or (None,) * 3)]
 
 
-def _run(path: str, oracle: V4Oracle) -> tuple[dict, list]:
+def _run(path: str, oracle: V4Oracle, batches: list) -> tuple[dict, list]:
     """The batches on one rank, each request checked against HF on its history -> (the last
-    caches, each forward's (hidden, logits)) ; prints the worst error."""
+    caches, each forward's (hidden, logits)); prints the worst error."""
     model = load_model(path, torch.float32, torch.device("cpu"))
     caches, history, worst, steps = {}, {}, 0.0, []
-    for batch in BATCHES:
+    for batch in batches:
         hidden, _, logits = prefill(model, caches, batch)
         steps.append((hidden, logits))
         for rid, ids in batch:
@@ -84,14 +85,11 @@ def _run(path: str, oracle: V4Oracle) -> tuple[dict, list]:
     return caches, steps
 
 
-@pytest.mark.parametrize("name", ["v4", "v4_legacy"])
-def test_single_rank_matches_hf(request, v4_oracle, name):
-    path = request.getfixturevalue(name)
-    if name == "v4":                                   # transformers wrote it sharded
-        assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-    caches, steps = _run(path, v4_oracle)
+def test_chunked_batches_match_hf(v4, v4_oracle):
+    assert os.path.isfile(os.path.join(v4, "model.safetensors.index.json"))     # sharded
+    caches, steps = _run(v4, v4_oracle, BATCHES)
     assert rel_err(steps[2][1]["a"], steps[1][1]["one"]) <= TOL      # chunked equals one pass
-    kinds = read_model_config(path).v4.layer_types
+    kinds = read_model_config(v4).v4.layer_types
     for layer, kind in enumerate(kinds):            # what a 200-token request leaves in the caches
         state = caches["a"][layer]
         assert state.length == 200 and state.window.shape[0] == 15
@@ -99,6 +97,11 @@ def test_single_rank_matches_hf(request, v4_oracle, name):
             rate = 4 if kind.startswith("compressed") else 16
             assert state.compressor.entries.shape[0] == 200 // rate
             assert state.compressor.buffer.shape[0] == 200 % rate
+
+
+def test_legacy_config_and_module_names_match_hf(v4_legacy, v4_oracle):
+    """Legacy config keys, sigmoid scoring, tied embeddings, fused experts, an MTP tensor."""
+    _run(v4_legacy, v4_oracle, [[("a", A), ("b", B)]])
 
 
 def test_fp8_checkpoint_matches_its_dequantized_twin(v4_legacy, v4_oracle, tmp_path):
@@ -174,34 +177,38 @@ def test_selection_and_compression_change_the_answer(v4, v4_oracle, tmp_path):
         assert rel_err(v4_oracle(str(variant), ids)[0], base) > 1e-3, key
 
 
-def test_interleave_cp_matches_one_rank(v4, tmp_path):
+def test_interleave_cp_matches_one_rank(v4, v4_oracle, tmp_path):
     """4 gloo ranks: CP 4, then CP 2 on each pair. Each rank's hidden rows equal one rank's rows
-    at its tokens (t % C == rank), every rank holds the whole cache, and each layer gathers its new
-    rows (K = V, compressor and indexer projections) in one all-gather."""
+    at its tokens (t % C == rank), every rank holds the whole cache, each layer gathers its new
+    rows (K = V, compressor and indexer projections) in one all-gather, and the last-token
+    logits equal HF's."""
     model = load_model(v4, torch.float32, torch.device("cpu"))
-    caches, single = {}, []
-    for batch in BATCHES:
+    caches, single, history, hf = {}, [], {}, []
+    for batch in CP_BATCHES:
         hidden, _, logits = prefill(model, caches, batch)
         single.append((hidden, logits, {rid: [ours_layer(s) for s in layers]
                                         for rid, layers in caches.items()}))
-    mp.spawn(cp_worker, args=(4, v4, BATCHES, str(tmp_path)), nprocs=4, join=True)
+        history.update({rid: history.get(rid, []) + ids for rid, ids in batch})
+        hf.append({rid: v4_oracle(v4, history[rid])[0] for rid, _ in batch})
+    mp.spawn(cp_worker, args=(4, v4, CP_BATCHES, str(tmp_path)), nprocs=4, join=True)
     # gathered row widths per layer (CSA, sliding, HCA): K = V 32, the compressor's kv | gate of
     # 2 x 64 (CSA, overlapping) or 2 x 32 (HCA), the indexer's 2 x 32
     worst, widths = 0.0, [32 + 2 * 64 + 2 * 32, 32, 32 + 2 * 32]
     for rank in range(4):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for cp_size, steps in results.items():
-            for (hidden, logits, ref_caches), step in zip(single, steps):
-                assert step["local"].tolist() == list(range(rank % cp_size, hidden.shape[0], cp_size))
-                assert step["gathers"] == widths
+            for (hidden, logits, ref_caches), ref_logits, step in zip(single, hf, steps):
+                mine = list(range(rank % cp_size, hidden.shape[0], cp_size))
+                assert step["local"].tolist() == mine and step["gathers"] == widths
                 errs = [rel_err(step["hidden"], hidden[step["local"]])]
                 errs += [rel_err(step["logits"][rid], logits[rid]) for rid in step["logits"]]
+                errs += [rel_err(step["logits"][rid], ref_logits[rid]) for rid in step["logits"]]
                 for rid, layers in ref_caches.items():
                     for layer, ref in enumerate(layers):
                         errs += _cache_errors(step["caches"][rid][layer], ref, f"{rid} {layer}")
                 assert max(errs) <= TOL, f"CP {cp_size} rank {rank}: {max(errs):.2e}"
                 worst = max(worst, *errs)
-    print(f"worst rel err vs one rank {worst:.2e}")
+    print(f"worst rel err vs one rank and HF {worst:.2e}")
 
 
 @pytest.mark.parametrize("key,value,flag", [
