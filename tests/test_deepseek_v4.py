@@ -99,6 +99,25 @@ def test_chunked_batches_match_hf(v4, v4_oracle):
             assert state.compressor.buffer.shape[0] == 200 % rate
 
 
+def test_random_chunkings_equal_one_pass(v4):
+    """200 tokens cut at random points (chunks of 1 token, chunks inside one window, chunks
+    spanning many) leave the same caches and last logits as one pass."""
+    model = load_model(v4, torch.float32, torch.device("cpu"))
+    one = {}
+    _, _, ref = prefill(model, one, [("a", A)])
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(3):
+        cuts = sorted(set(torch.randint(1, 200, (int(torch.randint(1, 6, (1,), generator=gen)),),
+                                        generator=gen).tolist() + [199 - trial]))
+        caches, logits = {}, None
+        for lo, hi in zip([0] + cuts, cuts + [200]):
+            _, _, logits = prefill(model, caches, [("a", A[lo:hi])])
+        errs = [rel_err(logits["a"], ref["a"])]
+        for layer, state in enumerate(caches["a"]):
+            errs += _cache_errors(ours_layer(state), ours_layer(one["a"][layer]), f"{cuts}")
+        assert max(errs) <= TOL, f"cuts {cuts}: {max(errs):.2e}"
+
+
 def test_legacy_config_and_module_names_match_hf(v4_legacy, v4_oracle):
     """Legacy config keys, sigmoid scoring, tied embeddings, fused experts, an MTP tensor."""
     _run(v4_legacy, v4_oracle, [[("a", A), ("b", B)]])
