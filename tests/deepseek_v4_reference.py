@@ -64,15 +64,17 @@ def make_legacy_checkpoint(path: str, seed: int = 32) -> str:
     embeddings, and one safetensors file in transformers' module names (fused experts), with an
     MTP tensor."""
     import transformers
-    raw = {k: v for k, v in TINY.items()}
+    raw = dict(TINY)
     raw.update(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
                compress_ratios=[128, 0, 4], compress_rate_hca=16, num_hash_layers=1,
                scoring_func="sigmoid", tie_word_embeddings=True,
-               rope_scaling={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256})
+               rope_scaling={"type": "yarn", "factor": 2.0,
+                             "original_max_position_embeddings": 256})
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
-    model = transformers.DeepseekV4ForCausalLM(transformers.AutoConfig.from_pretrained(path)).float()
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.DeepseekV4ForCausalLM(config).float()
     _randomize(model, seed)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     state["mtp.0.ffn.gate.weight"] = torch.zeros(8, 64)     # the MTP layer both loaders skip
