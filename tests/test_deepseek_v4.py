@@ -240,6 +240,7 @@ def test_interleave_cp_matches_one_rank(v4, v4_oracle, tmp_path):
     ("compress_rates", {"compressed_sparse_attention": 0,
                         "heavily_compressed_attention": 16}, "compress_rates"),
     ("o_groups", 3, "o_groups"),
+    ("expert_dtype", "fp4", "expert_dtype"),
     ("rope_parameters", {"main": {"rope_type": "llama3", "rope_theta": 1e4},
                          "compress": {"rope_type": "default", "rope_theta": 1e4}}, "rope_type"),
 ])

@@ -87,6 +87,15 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
     if scoring not in SCORING:
         raise ConfigError(f"--model-path: DeepSeek V4 scoring_func {scoring!r} is not supported "
                           f"({', '.join(SCORING)})")
+    quant = raw.get("quantization_config")
+    quant = quant if isinstance(quant, dict) else {}
+    expert_dtype = quant.get("expert_dtype", raw.get("expert_dtype"))
+    if expert_dtype not in (None, "fp8"):
+        raise ConfigError(f"--model-path: quantization_config expert_dtype {expert_dtype!r} is not "
+                          "supported (fp8 experts; graphcp has no FP4 expert path)")
+    if quant.get("scale_fmt", "float") != "float":
+        raise ConfigError(f"--model-path: quantization_config scale_fmt {quant['scale_fmt']!r} is "
+                          "not supported (float block scales)")
     kinds, rates = _layer_kinds(raw, layers)
     v4 = DeepseekV4Config(
         q_lora_rank=get("q_lora_rank"), o_groups=get("o_groups"), o_lora_rank=get("o_lora_rank"),
