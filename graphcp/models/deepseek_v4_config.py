@@ -15,6 +15,9 @@ LAYER_KINDS = (SLIDING, CSA, HCA)
 MLP_KINDS = ("hash_moe", "moe")
 SCORING = ("sqrtsoftplus", "sigmoid")       # transformers has no "softmax" activation to route with
 _LEGACY_RATIOS = {0: SLIDING, 4: CSA, 128: HCA}
+# each layer type's attention kind (graphcp/attention/kinds.py)
+ATTENTION_KINDS = {SLIDING: "deepseek_v4_sliding", CSA: "deepseek_v4_csa",
+                   HCA: "deepseek_v4_hca"}
 # transformers' defaults for the fields a config.json may leave out
 _DEFAULTS = {"head_dim": 512, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
              "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
@@ -128,6 +131,10 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=False, qk_norm=False, num_experts=experts, num_experts_per_tok=top_k,
         moe_intermediate_size=inter, norm_topk_prob=True, moe_layers=tuple(range(layers)), v4=v4)
+
+
+def v4_attention_kinds(v4: DeepseekV4Config) -> tuple[str, ...]:
+    return tuple(ATTENTION_KINDS[kind] for kind in v4.layer_types)
 
 
 def _layer_kinds(raw: dict, layers: int) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from graphcp.models.deepseek_v4_config import RopeSpec
-from graphcp.models.dsa_rope import yarn_inv_freq
+from graphcp.models.rope import inv_freq
 
 
 class V4Rotary:
@@ -21,11 +21,11 @@ class V4Rotary:
     def build(self, device: torch.device) -> None:
         spec = self.spec
         if spec.yarn is not None:
-            inv_freq, self.factor = yarn_inv_freq(spec.dim, spec.theta, spec.yarn)
+            yarn = {**spec.yarn, "rope_type": "yarn"}        # its factor is always given here
+            freqs, self.factor = inv_freq(spec.theta, yarn, spec.dim, 0)
         else:
-            exponents = torch.arange(0, spec.dim, 2, dtype=torch.float32) / spec.dim
-            inv_freq = 1.0 / (spec.theta ** exponents)
-        self.inv_freq = inv_freq.to(device)
+            freqs, self.factor = inv_freq(spec.theta, None, spec.dim, 0)
+        self.inv_freq = freqs.to(device)
 
     def __call__(self, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
