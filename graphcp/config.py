@@ -256,10 +256,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelConfig
     """The flags that depend on the model, checked before any allocation."""
-    if cfg.v4 is not None:
-        raise ConfigError("--model-path: DeepseekV4ForCausalLM loads (graphcp.models.load_model) but "
-                          "the engine does not serve it yet: its attention op and caches are not "
-                          "part of the engine")
     atp = args.attn_tp_size
     if cfg.num_key_value_heads % atp:
         raise ConfigError(f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size)) must divide "

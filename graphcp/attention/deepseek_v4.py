@@ -1,139 +1,168 @@
-"""The DeepSeek V4 attention op the V4 layers call through the forward context, over explicit
-per-request caches (``V4LayerState``: torch tensors per request and layer; the paged pool comes
-with the engine integration).
+"""The DeepSeek V4 attention op the V4 layers call through the forward context:
+``op(layer, q, kv, *compressor_rows, sinks, scale, compressors, index)``, and its cache layout.
 
-Per layer, one rank or one rank of interleave CP (flat token t on rank t % C): the new rows every
-part of the cache needs (the shared K = V row, the compressor's and the indexer's kv | gate
-projections) travel in one all-gather, in token order; every rank then extends each request's
-sliding window and runs its compressors on the full-order rows (so every rank holds the whole
-cache), and scores the indexer and attends for its own queries only."""
+Every part is per token, in the paged pool: the K = V row of each token (the sliding branch reads the
+last ``sliding_window`` of them), each compressor's kv | gate projections of each token (an open
+window and the overlap a CSA entry pools from the previous window are the last rows of a request's
+tokens, so chunked prefill needs no other state), and each compressor's entry (CSA: also the indexer
+key), written at the slot of the last token of the window it pools. The entry rows of other slots
+are never read.
+
+Per layer, on one rank or under interleave CP: the new rows of every part travel in one all-gather
+(rank-major, padded) and are written to every rank's pool at their slots (``meta.gather_slots``), so
+every rank holds the whole cache; every rank then pools every window this batch closes, on the
+full-order rows. Each rank scores the indexer and attends for its own queries only: the keys of
+its sliding window and the compressed entries whose window has closed (HCA: all of them, CSA: the
+indexer's ``index_topk`` best) in one softmax with the per-head sinks. The windows closing in a
+batch and the top-k have data-dependent shapes: V4 layers run eagerly, as DSA's."""
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
-from graphcp.cp import build_layout
-from graphcp.dist.comm import all_gather_into
-from graphcp.kernels import dsa_torch
+from graphcp.attention.context import AttentionContext
+from graphcp.kernels.dsa_torch import key_slots, select_topk
 from graphcp.kernels.v4_torch import attend_with_sinks
-from graphcp.models.deepseek_v4_attention import V4Attention, V4LayerState, V4Rows
-from graphcp.models.deepseek_v4_config import CSA
+from graphcp.kv.cache import CachePart
+from graphcp.models.config import ModelConfig
+from graphcp.models.deepseek_v4_config import CSA, HCA
+from graphcp.profiling import nvtx_range
+
+# Query rows run in chunks whose gathered keys (and indexer scores) hold at most this many elements.
+CHUNK_ELEMENTS = 2**24
+GRAPH_REASON = ("DeepSeek V4 runs eagerly (the compressor windows a batch closes and the indexer "
+                "top-k have data-dependent shapes, as DSA)")
 
 
-def extend_layer(layer: V4Attention, state: V4LayerState, rows: torch.Tensor
-                 ) -> tuple[V4LayerState, torch.Tensor, int]:
-    """One request's new full-order rows ``[kv | compressor | indexer]`` -> (its new state, the
-    keys its new queries may see in the sliding branch, the position of the first of them)."""
-    kv, comp, index = _split(layer, rows)
-    keys = torch.cat([state.window, kv])
-    first = state.length - state.window.shape[0]
-    keep = min(layer.window - 1, keys.shape[0])
-    compressor = state.compressor
-    if layer.compressor is not None:
-        compressor = layer.compressor.compress(comp, state.compressor)
-    indexer = layer.compressor.indexer.compress(index, state.indexer) if layer.kind == CSA else None
-    new = V4LayerState(state.length + kv.shape[0], keys[keys.shape[0] - keep:], compressor, indexer)
-    return new, keys, first
+class V4SlidingAttention:
+    """A sliding-window layer; the CSA and HCA ops below add their compressors' parts."""
+
+    compressed: tuple[tuple[str, str], ...] = ()      # per compressor: (its rows part, its entries)
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx, self.pool, self.meta = ctx, ctx.pool, ctx.meta
+        v4, meta = ctx.cfg.v4, ctx.meta
+        self.window, self.topk = v4.sliding_window, v4.index_topk
+        rows = torch.arange(meta.local_cap, device=meta.positions.device)
+        seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)
+        self.row_seq = seq.clamp(max=meta.page_rows.shape[0] - 1)
+        self.seq_slots = key_slots(meta.page_rows, self.pool.page_size)     # [S, K]
+        offsets = torch.arange(1 - self.window, 1, device=rows.device)
+        window = meta.positions[:, None] + offsets                          # [B, W] positions
+        self.window_seen = (window >= 0) & meta.valid.bool()[:, None]
+        self.window_slots = self.seq_slots[self.row_seq[:, None], window.clamp(min=0)]
+
+    def __call__(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, *rows: torch.Tensor,
+                 sinks: torch.Tensor, scale: float, compressors: tuple = (),
+                 index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [T, H, D] and kv [T, D] (rotated), ``rows``: each compressor's kv | gate rows [T, 2w]
+        with the compressor modules (``Compressor.entries``); index (CSA): the indexer's queries
+        [T, Hi, Di] and head weights [T, Hi] -> [T, H, D]."""
+        pool, meta = self.pool, self.meta
+        pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix from its owner
+        names = ("kv",) + tuple(raw for raw, _ in self.compressed)
+        widths = [kv.shape[-1]] + [r.shape[-1] for r in rows]
+        full = self.ctx.all_gather(torch.cat([kv, *rows], dim=-1))          # one collective
+        for name, block in zip(names, full.split(widths, dim=-1)):
+            pool.write(layer_id, name, meta.gather_slots, block)
+        for (raw, entries), compressor in zip(self.compressed, compressors):
+            self._close_windows(layer_id, raw, entries, compressor)
+        return self._attend(layer_id, q, sinks, scale, compressors, index)
+
+    def _close_windows(self, layer: int, raw: str, entries: str, compressor) -> None:  # noqa: ANN001
+        """Pool every window whose last token is new in this batch (any rank's), from the pool's
+        rows of its ``span`` tokens, and write its entry at that token's slot."""
+        meta, pool, rate = self.meta, self.pool, compressor.rate
+        pos = meta.gather_positions
+        ends = torch.nonzero((meta.gather_token_index >= 0) & ((pos + 1) % rate == 0)).squeeze(1)
+        if ends.numel() == 0:
+            return
+        last = pos.index_select(0, ends)
+        window = last[:, None] + torch.arange(1 - compressor.span, 1, device=last.device)
+        requests = meta.gather_requests.index_select(0, ends)
+        slots = self.seq_slots[requests[:, None], window.clamp(min=0)]
+        rows = pool.part(layer, raw)[pool.map_slots(layer, slots)]
+        pooled = compressor.entries(rows, window >= 0, (last + 1) // rate - 1)
+        pool.write(layer, entries, meta.gather_slots.index_select(0, ends), pooled)
+
+    def _attend(self, layer: int, q: torch.Tensor, sinks: torch.Tensor, scale: float,
+                compressors: tuple, index: tuple | None) -> torch.Tensor:
+        pool, dim = self.pool, q.shape[-1]
+        kv = pool.part(layer, "kv")
+        window_slots = pool.map_slots(layer, self.window_slots)
+        entry_slots, limits, keys = None, None, self.window
+        if compressors:
+            rate = compressors[0].rate
+            entry_slots = pool.map_slots(layer, self.seq_slots[:, rate - 1::rate].contiguous())
+            limits = (self.meta.positions + 1) // rate * self.meta.valid
+            entries = pool.part(layer, self.compressed[0][1])
+            keys += min(entry_slots.shape[1], self.topk) if index else entry_slots.shape[1]
+        step = max(1, CHUNK_ELEMENTS // (keys * dim))
+        if index is not None:
+            scored = max(1, entry_slots.shape[1] * index[0].shape[-1])
+            step = min(step, max(1, CHUNK_ELEMENTS // scored))
+        out = []
+        with nvtx_range("attention"):
+            for start in range(0, q.shape[0], step):
+                rows = slice(start, start + step)
+                gathered, seen = kv[window_slots[rows]], self.window_seen[rows]
+                if compressors:
+                    chosen, shown = self._entries(layer, rows, entry_slots, limits, index)
+                    gathered = torch.cat([gathered, entries[chosen]], dim=1)
+                    seen = torch.cat([seen, shown], dim=1)
+                out.append(attend_with_sinks(q[rows], gathered, seen, sinks, scale))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _entries(self, layer: int, rows: slice, entry_slots: torch.Tensor, limits: torch.Tensor,
+                 index: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry slots each query row attends and which of them it may see: every closed window
+        (HCA), or the indexer's top-k of them (CSA)."""
+        seq, limit = self.row_seq[rows], limits[rows]
+        if index is None:
+            count = entry_slots.shape[1]
+            shown = torch.arange(count, device=limit.device)[None, :] < limit[:, None]
+            return entry_slots.index_select(0, seq), shown
+        index_q, weights = index
+        with nvtx_range("v4_indexer"):
+            scores = self.ctx.kernels.dsa.indexer_scores(
+                index_q[rows], weights[rows], self.pool.part(layer, "index_k"), entry_slots, seq, limit)
+            return select_topk(scores, entry_slots, seq, limit, self.topk)
 
 
-def attend_layer(layer: V4Attention, state: V4LayerState, q: torch.Tensor,
-                 positions: torch.Tensor, keys: torch.Tensor, first: int,
-                 index_q: torch.Tensor | None, index_weights: torch.Tensor | None) -> torch.Tensor:
-    """Queries [B, H, D] of one request at ``positions`` [B], after ``extend_layer``: the keys of
-    the last ``sliding_window`` positions and the compressed entries whose window has closed
-    (HCA: all of them; CSA: the indexer's ``index_topk`` best) in one softmax with the sinks."""
-    rows = q.shape[0]
-    key_pos = torch.arange(keys.shape[0], device=q.device) + first
-    seen = key_pos[None, :] <= positions[:, None]
-    visible = seen & (key_pos[None, :] > positions[:, None] - layer.window)
-    keys = keys.expand(rows, -1, -1)
-    if layer.compressor is not None and state.compressor.entries.shape[0]:
-        entries = state.compressor.entries
-        count = entries.shape[0]
-        limits = (positions + 1) // layer.rate          # entries whose window has closed
-        if layer.kind == CSA:
-            slots = torch.arange(count, device=q.device)[None]
-            row_seq = torch.zeros_like(positions)
-            scores = dsa_torch.indexer_scores(index_q, index_weights, state.indexer.entries, slots,
-                                              row_seq, limits)
-            picked, shown = dsa_torch.select_topk(scores, slots, row_seq, limits, layer.topk)
-            chosen = entries[picked]
-        else:
-            chosen = entries.expand(rows, -1, -1)
-            shown = torch.arange(count, device=q.device)[None, :] < limits[:, None]
-        keys, visible = torch.cat([keys, chosen], dim=1), torch.cat([visible, shown], dim=1)
-    return attend_with_sinks(q, keys, visible, layer.sinks, layer.scale)
+class V4HCAAttention(V4SlidingAttention):
+    compressed = (("hca_rows", "entries"),)
 
 
-def _split(layer: V4Attention, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    widths = [layer.head_dim, 0, 0]
-    if layer.compressor is not None:
-        widths[1] = 2 * layer.compressor.width
-    if layer.kind == CSA:
-        widths[2] = 2 * layer.compressor.indexer.width
-    return rows.split(widths, dim=-1)
+class V4CSAAttention(V4SlidingAttention):
+    compressed = (("csa_rows", "entries"), ("index_rows", "index_k"))
 
 
-class V4ReferenceAttention:
-    """The op of one forward: ``caches[rid]`` (a list over layers, grown here) for each request
-    of the batch, whose new tokens are ``extend_lens`` in batch order; ``local_index``: the flat
-    indices of this rank's tokens (all of them on one rank); ``gather``: this rank's rows -> every
-    token's rows in batch order (None on one rank)."""
-
-    def __init__(self, caches: dict[str, list[V4LayerState]], rids: list[str],
-                 extend_lens: list[int], local_index: torch.Tensor | None = None,
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.caches, self.rids, self.extend_lens = caches, rids, extend_lens
-        self.starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
-        total = sum(extend_lens)
-        self.local_index = torch.arange(total) if local_index is None else local_index.cpu()
-        self.gather = gather
-        request = torch.repeat_interleave(torch.arange(len(rids)), torch.tensor(extend_lens))
-        self.local_request = request[self.local_index]
-
-    def __call__(self, layer_id: int, layer: V4Attention, rows: V4Rows) -> torch.Tensor:
-        parts = [rows.kv] + [p for p in (rows.compressor, rows.indexer) if p is not None]
-        mine = torch.cat(parts, dim=-1)
-        full = mine if self.gather is None else self.gather(mine)
-        out = torch.zeros_like(rows.q)
-        for r, rid in enumerate(self.rids):
-            states = self.caches.setdefault(rid, [])
-            if len(states) == layer_id:
-                states.append(layer.empty_state(rows.kv))
-            state = states[layer_id]
-            start, count = self.starts[r], self.extend_lens[r]
-            states[layer_id], keys, first = extend_layer(layer, state, full[start:start + count])
-            local = (self.local_request == r).nonzero().squeeze(1).to(rows.q.device)
-            if local.numel() == 0:
-                continue
-            positions = state.length + self.local_index.to(local.device)[local] - start
-            index_q = None if rows.index_q is None else rows.index_q[local]
-            weights = None if rows.index_weights is None else rows.index_weights[local]
-            out[local] = attend_layer(layer, states[layer_id], rows.q[local], positions, keys,
-                                      first, index_q, weights)
-        return out
+# -- the cache layout (attention/kinds.py) ------------------------------------------------------
+def v4_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
+    """Per token: K = V; HCA its compressor's kv | gate (2 x head_dim) and entry; CSA its
+    overlapping compressor's (4 x head_dim) and entry, the indexer's (4 x index_head_dim) and key."""
+    v4, d = cfg.v4, cfg.head_dim
+    kind, parts = v4.layer_types[layer], [CachePart("kv", (d,))]
+    if kind == HCA:
+        parts += [CachePart("hca_rows", (2 * d,)), CachePart("entries", (d,))]
+    elif kind == CSA:
+        di = v4.index_head_dim
+        parts += [CachePart("csa_rows", (4 * d,)), CachePart("entries", (d,)),
+                  CachePart("index_rows", (4 * di,)), CachePart("index_k", (di,))]
+    return tuple(parts)
 
 
-class InterleaveGather:
-    """Interleave CP's gather of new rows: every rank's rows (padded to the largest rank), one
-    all-gather, put back in batch order."""
-
-    def __init__(self, group, cp_size: int, extend_lens: list[int]) -> None:  # noqa: ANN001
-        layouts = [build_layout("interleave", cp_size, r, extend_lens) for r in range(cp_size)]
-        self.group, self.cp_size = group, cp_size
-        self.cap = max(len(lay.local_indices) for lay in layouts)
-        order = [i for lay in layouts for i in lay.local_indices]
-        self.order = torch.tensor(order, dtype=torch.long)
-        self.held = torch.cat([torch.arange(len(lay.local_indices)) + r * self.cap
-                               for r, lay in enumerate(layouts)])
-        self.total = sum(extend_lens)
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        padded = rows.new_zeros((self.cap,) + rows.shape[1:])
-        padded[:rows.shape[0]] = rows
-        gathered = rows.new_empty((self.cp_size * self.cap,) + rows.shape[1:])
-        all_gather_into(gathered, padded, self.group)
-        full = rows.new_empty((self.total,) + rows.shape[1:])
-        full[self.order.to(rows.device)] = gathered[self.held.to(rows.device)]
-        return full
+def v4_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
+    """A layer's rows [n, ...] per part -> (kv [n, head_dim], entries [n // rate, head_dim],
+    index_k [n // rate, index_head_dim], compressor_rows [n, 2 x width], indexer_rows
+    [n, 4 x index_head_dim]), None where the layer has no such part; fp32 on the CPU."""
+    rows = tuple(r.float().cpu() for r in rows)
+    kv, n = rows[0], rows[0].shape[0]
+    if len(rows) == 1:
+        return kv, None, None, None, None
+    kinds = cfg.v4.layer_types
+    kind = CSA if len(rows) == 5 else HCA
+    rate = cfg.v4.compress_rates[kinds.index(kind)]
+    ends = slice(rate - 1, n // rate * rate, rate)       # entry e sits at token (e + 1) * rate - 1
+    if kind == HCA:
+        return kv, rows[2][ends], None, rows[1], None
+    return kv, rows[2][ends], rows[4][ends], rows[1], rows[3]

@@ -88,8 +88,9 @@ class DeepseekV4CausalLM(nn.Module):
                 hidden: torch.Tensor | None = None,
                 capture_layers: Sequence[int] | None = None) -> torch.Tensor:
         """This rank's tokens -> their hidden state after the hyper head, before the final norm
-        (the hyper head is per token, so logits rows can be picked from it)."""
-        if input_ids is None or hidden is not None or capture_layers is not None:
+        (the hyper head is per token, so logits rows can be picked from it); with
+        ``capture_layers`` (none: the engine refuses aux layers for V4) also the empty list."""
+        if input_ids is None or hidden is not None or capture_layers:
             raise ValueError("DeepSeek V4 runs as one stage from token ids, without captured "
                              "layers")
         x = self.model.embed_tokens(input_ids)
@@ -98,7 +99,8 @@ class DeepseekV4CausalLM(nn.Module):
                  False: self.rotary.compress(positions, x.dtype)}
         for layer in self.model.layers.values():
             streams = layer(streams, input_ids, ropes)
-        return self.model.hc_head(streams)
+        out = self.model.hc_head(streams)
+        return out if capture_layers is None else (out, [])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens

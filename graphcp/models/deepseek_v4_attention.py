@@ -4,18 +4,17 @@ projection, a sliding window on every layer and, per layer kind, a compressor (H
 ``rate`` tokens, attended densely; CSA: overlapping windows and a lightning indexer choosing
 ``index_topk`` entries per query).
 
-The layer computes every per-token projection; the attention op (forward context) owns the rest:
-it gathers the new rows in token order, runs the compressors on them with each request's cached
-state (``compress`` here) and attends this rank's queries."""
+The layer computes every per-token projection; the attention op (forward context,
+``graphcp/attention/deepseek_v4.py``) owns the rest: it gathers the new rows in token order into the
+paged cache, pools the windows that close (``Compressor.entries`` here) and attends this rank's
+queries."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from graphcp.forward_context import current_attention
-from graphcp.kernels.v4_torch import CompressorState, close_windows
+from graphcp.kernels.v4_torch import pool_windows
 from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek_v4_config import CSA, HCA
 from graphcp.models.deepseek_v4_rope import V4Rotary, V4RMSNorm, rotate_tail, unweighted_rms_norm
@@ -34,7 +33,7 @@ class Projection(nn.Module):
 
 
 class Compressor(nn.Module):
-    """Projects each token to a kv and a gate row (``rows``); ``compress`` pools closed windows of
+    """Projects each token to a kv and a gate row (``rows``); ``entries`` pools closed windows of
     ``rate`` tokens into entries, RMS-normed and rotated at their window's first position."""
 
     fp32_tensors = ("position_bias",)       # kept fp32 in any model dtype, as transformers
@@ -45,6 +44,7 @@ class Compressor(nn.Module):
         width = 2 * entry_dim if overlapping else entry_dim
         self.rate, self.overlapping = rate, overlapping
         self.entry_dim, self.width = entry_dim, width
+        self.span = 2 * rate if overlapping else rate       # tokens one entry pools over
         self.kv_proj = Projection(hidden, width)
         self.gate_proj = Projection(hidden, width)
         self.position_bias = nn.Parameter(torch.empty(rate, width), requires_grad=False)
@@ -55,20 +55,13 @@ class Compressor(nn.Module):
         """x [T, hidden] -> [T, 2 * width]: kv | gate."""
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
-    def empty_state(self, like: torch.Tensor) -> CompressorState:
-        return CompressorState.empty(self.entry_dim, self.width, like)
-
-    def compress(self, rows: torch.Tensor, state: CompressorState) -> CompressorState:
-        """A request's new rows (token order) -> its state with the entries they close appended."""
-        first = state.entries.shape[0]
-        pooled, buffer, overlap = close_windows(rows, state, self.rate, self.position_bias,
-                                                self.overlapping)
-        entries = state.entries
-        if pooled.shape[0]:
-            positions = (torch.arange(pooled.shape[0], device=rows.device) + first) * self.rate
-            cos, sin = self.rotary[0](positions, pooled.dtype)
-            entries = torch.cat([entries, rotate_tail(self.kv_norm(pooled), cos, sin)])
-        return CompressorState(entries, buffer, overlap)
+    def entries(self, rows: torch.Tensor, present: torch.Tensor,
+                blocks: torch.Tensor) -> torch.Tensor:
+        """The entries of windows ``blocks`` [E] (entry e pools tokens up to (e + 1) * rate - 1):
+        rows [E, span, 2 * width] of the ``span`` tokens ending there, present [E, span] -> [E, d]."""
+        pooled = pool_windows(rows, present, self.position_bias, self.overlapping)
+        cos, sin = self.rotary[0](blocks * self.rate, pooled.dtype)
+        return rotate_tail(self.kv_norm(pooled), cos, sin)
 
 
 class Scorer(nn.Module):
@@ -102,17 +95,6 @@ class CSACompressor(Compressor):
         self.indexer = Indexer(cfg, rate, rotary)
 
 
-@dataclass
-class V4Rows:
-    """One layer's per-token inputs to the attention op, this rank's tokens."""
-    q: torch.Tensor                          # [T, H, D] normed, rotated
-    kv: torch.Tensor                         # [T, D] the shared key/value, normed, rotated
-    compressor: torch.Tensor | None = None   # [T, 2 * width] kv | gate of the compressor
-    indexer: torch.Tensor | None = None      # [T, 4 * Di] kv | gate of the indexer's compressor
-    index_q: torch.Tensor | None = None      # [T, Hi, Di]
-    index_weights: torch.Tensor | None = None  # [T, Hi] fp32
-
-
 class V4Attention(nn.Module):
     fp32_tensors = ("sinks",)
 
@@ -121,8 +103,6 @@ class V4Attention(nn.Module):
         v4, hidden, heads, d = cfg.v4, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.layer_id, self.kind = layer_id, v4.layer_types[layer_id]
         self.num_heads, self.head_dim, self.eps = heads, d, cfg.rms_norm_eps
-        self.window, self.topk = v4.sliding_window, v4.index_topk
-        self.rate = v4.compress_rates[layer_id]
         self.groups, self.scale = v4.o_groups, d ** -0.5
         self.q_a_proj = nn.Linear(hidden, v4.q_lora_rank, bias=False)
         self.q_a_norm = V4RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
@@ -133,28 +113,33 @@ class V4Attention(nn.Module):
                                   bias=False)
         self.o_b_proj = nn.Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads), requires_grad=False)
+        rate = v4.compress_rates[layer_id]
         if self.kind == CSA:
-            self.compressor = CSACompressor(cfg, self.rate, rotary)
+            self.compressor = CSACompressor(cfg, rate, rotary)
         elif self.kind == HCA:
-            self.compressor = Compressor(hidden, d, self.rate, False, cfg.rms_norm_eps, rotary)
+            self.compressor = Compressor(hidden, d, rate, False, cfg.rms_norm_eps, rotary)
         else:
             self.compressor = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], cos/sin [T, rope / 2] of this layer's rotary -> [T, hidden]."""
+        """x [T, hidden], cos/sin [T, rope / 2] of this layer's rotary -> [T, hidden]. The op gets
+        the queries, the new K = V rows and each compressor's kv | gate rows with the compressor
+        itself (it pools the windows that close); CSA also the indexer's queries and weights."""
         t = x.shape[0]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
                                 self.eps)
-        rows = V4Rows(q=rotate_tail(q, cos[:, None], sin[:, None]),
-                      kv=rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin))
+        q = rotate_tail(q, cos[:, None], sin[:, None])
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        compressors, index = (), None
         if self.compressor is not None:
-            rows.compressor = self.compressor.rows(x)
+            compressors = (self.compressor,)
         if self.kind == CSA:
             indexer = self.compressor.indexer
-            rows.indexer = indexer.rows(x)
-            rows.index_q, rows.index_weights = indexer.queries(x, q_residual, cos, sin)
-        out = current_attention()(self.layer_id, self, rows)                 # [T, H, D]
+            compressors, index = (self.compressor, indexer), indexer.queries(x, q_residual, cos, sin)
+        rows = [c.rows(x) for c in compressors]
+        out = current_attention()(self.layer_id, q, kv, *rows, sinks=self.sinks, scale=self.scale,
+                                  compressors=compressors, index=index)          # [T, H, D]
         out = rotate_tail(out, cos[:, None], -sin[:, None])      # undo the values' rotation
         return self.o_b_proj(self.grouped_output(out))
 
@@ -165,20 +150,3 @@ class V4Attention(nn.Module):
         weight = self.o_a_proj.weight.view(self.groups, -1, per_group).transpose(1, 2)
         grouped = out.reshape(t, self.groups, per_group).transpose(0, 1)
         return torch.bmm(grouped, weight).transpose(0, 1).reshape(t, -1)
-
-    def empty_state(self, like: torch.Tensor) -> "V4LayerState":
-        """The caches of one request at this layer before its first token."""
-        comp = None if self.compressor is None else self.compressor.empty_state(like)
-        index = self.compressor.indexer.empty_state(like) if self.kind == CSA else None
-        return V4LayerState(0, like.new_zeros((0, self.head_dim)), comp, index)
-
-
-@dataclass
-class V4LayerState:
-    """One request's caches at one layer: tokens seen, the sliding branch's last
-    ``sliding_window - 1`` keys (what the next token needs), and the compressors' states."""
-    length: int
-    window: torch.Tensor                     # [<= W - 1, D]
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
-

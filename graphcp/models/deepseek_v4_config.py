@@ -225,3 +225,20 @@ def _rope_spec(label: str, params: dict, head_dim: int, raw: dict) -> RopeSpec:
     if yarn.get("factor") is None:       # as transformers: the context extension ratio
         yarn["factor"] = raw.get("max_position_embeddings", 1 << 20) / original
     return RopeSpec(float(theta), dim, yarn)
+
+
+def check_v4_flags(args) -> None:  # noqa: ANN001 - EngineArgs
+    """V4 shards queries by interleave only, without DP, attention TP or pipeline stages (its
+    attention has one KV head, as DSA's MLA); the flags its op and model do not serve are refused."""
+    if args.cp_size > 1 and args.cp_strategy != "interleave":
+        raise ConfigError(f"--cp-strategy {args.cp_strategy}: DeepSeek V4 needs --cp-strategy "
+                          "interleave (its compressors run on the all-gathered rows in token order)")
+    for flag, value in (("--dp", args.dp_size), ("--pp", args.pp_size)):
+        if value > 1:
+            raise ConfigError(f"{flag} {value}: DeepSeek V4 needs {flag} 1")
+    if args.attn_tp_size > 1:
+        raise ConfigError(f"--tp {args.tp_size}: DeepSeek V4 needs attention TP 1 (--tp equal to "
+                          "--dp x --attn-cp-size)")
+    if args.speculative_aux_hidden_layers:
+        raise ConfigError("--speculative-aux-hidden-layers: DeepSeek V4's residual is hc_mult "
+                          "streams; graphcp returns no aux hidden states for it")

@@ -2,7 +2,8 @@
 sigmoid), choosing the top-k by score plus correction bias or, on ``hash_moe`` layers, by a frozen
 token-id table (``tid2eid``); SwiGLU experts and one shared expert, gate and up clamped to
 ``swiglu_limit``. The routed experts run through the forward context's MoE communicator, as
-graphcp's other MoE blocks."""
+graphcp's other MoE blocks; on hash layers it carries each row's token id with the row
+(``row_ids``), wherever the rows go under EP."""
 from __future__ import annotations
 
 import torch
@@ -42,12 +43,11 @@ class V4Router(nn.Module):
                               f"0..{num_experts - 1}")
 
     def forward(self, x: torch.Tensor,
-                token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden]; token_ids [N] (hash layers: the token of each row, which the MoE
+        communicator carries with the rows)."""
         scores = self.score(nn.functional.linear(x, self.weight))
         if self.hashed:
-            if token_ids.shape[0] != x.shape[0]:
-                raise RuntimeError("hash routing needs the token ids of the rows it routes; this "
-                                   "MoE communicator moves rows without them")
             ids = self.tid2eid[token_ids]
         else:
             choice = scores + self.e_score_correction_bias
@@ -108,7 +108,7 @@ class V4MoE(nn.Module):
         self.shared_experts = ClampedMLP(cfg)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        def route(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.gate(rows, token_ids)
-
-        return current_moe_communicator().run(x, route, self.experts) + self.shared_experts(x)
+        """x [T, hidden] and the token id of each row (hash layers route by it)."""
+        row_ids = token_ids if self.gate.hashed else None
+        routed = current_moe_communicator().run(x, self.gate, self.experts, row_ids=row_ids)
+        return routed + self.shared_experts(x)
