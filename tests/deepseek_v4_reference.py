@@ -1,12 +1,13 @@
 """DeepSeek V4 test parts: tiny random checkpoints written by transformers, HF's one-pass oracle
-(logits and caches), graphcp's V4 model run over explicit caches on one rank or as one rank of
-interleave CP (the worker spawned with gloo)."""
+(logits and every cache part), and graphcp's ``engine.kv_cache`` entries seen in HF's cache layout,
+with a comparison of the two."""
 from __future__ import annotations
 
 import json
 import os
 
 import torch
+from hf_reference import rel_err
 from safetensors.torch import save_file
 
 VOCAB = 211
@@ -83,9 +84,10 @@ def make_legacy_checkpoint(path: str, seed: int = 32) -> str:
 
 
 class V4Oracle:
-    """HF in fp32, one pass over a whole history: last-token logits and per layer (window keys,
-    compressor (entries, buffer, overlap), indexer (entries, buffer, overlap)) in graphcp's
-    layouts (buffer / overlap: kv | gate)."""
+    """HF in fp32, one pass over a whole history -> (last-token logits, per layer (window keys,
+    compressor (entries, buffer, overlap) or None, indexer (the same) or None)). Buffers and overlaps
+    are kv | gate rows as projected (HF's overlap gate has the position bias added; it is taken off
+    here, as graphcp caches the rows before the bias)."""
 
     def __init__(self) -> None:
         self.models, self.cache = {}, {}
@@ -98,76 +100,64 @@ class V4Oracle:
             if path not in self.models:
                 self.models[path] = transformers.AutoModelForCausalLM.from_pretrained(
                     path, dtype=torch.float32).eval()
-            out = self.models[path](torch.tensor([ids]), use_cache=True)
-            self.cache[key] = (out.logits[0, -1].float(), [_hf_layer(l) for l in out.cache.layers])
+            model = self.models[path]
+            out = model(torch.tensor([ids]), use_cache=True)
+            layers = [_hf_layer(cache, block.self_attn)
+                      for cache, block in zip(out.cache.layers, model.model.layers)]
+            self.cache[key] = (out.logits[0, -1].float(), layers)
         return self.cache[key]
 
 
-def _hf_layer(layer) -> tuple:  # noqa: ANN001 - a transformers cache layer
-    def part(name: str):
+def _hf_layer(layer, attn) -> tuple:  # noqa: ANN001 - a transformers cache layer and attention
+    def part(name: str, module):  # noqa: ANN001, ANN202
         if name not in getattr(layer, "compressed_kv", {}):
             return None
         overlap = getattr(layer, "overlap_kv", {}).get(name)
         if overlap is not None:
-            overlap = torch.cat([overlap[0], layer.overlap_gate[name][0]], dim=-1)
+            d = overlap.shape[-1]
+            gate = layer.overlap_gate[name][0] - module.position_bias[:, :d]
+            overlap = torch.cat([overlap[0], gate], dim=-1)
         buffer = torch.cat([layer.buffer_kv[name][0], layer.buffer_gate[name][0]], dim=-1)
         return layer.compressed_kv[name][0], buffer, overlap
-    return layer.keys[0, 0], part("compressor"), part("indexer")
+    compressor = getattr(attn, "compressor", None)
+    indexer = getattr(compressor, "indexer", None)
+    return layer.keys[0, 0], part("compressor", compressor), part("indexer", indexer)
 
 
-def ours_layer(state) -> tuple:  # noqa: ANN001 - a V4LayerState
-    def part(comp):  # noqa: ANN001, ANN202
-        return None if comp is None else (comp.entries, comp.buffer, comp.overlap)
-    return state.window, part(state.compressor), part(state.indexer)
+def engine_layer(entry: tuple, window: int, rate: int) -> tuple:
+    """One layer of ``engine.kv_cache`` (kv, entries, index_k, compressor rows, indexer rows) in
+    ``V4Oracle``'s layout: the last ``window - 1`` keys, and per compressor its entries, the rows of
+    the open window and (overlapping) the first halves of the last closed window's rows."""
+    kv, entries, index_k, comp_rows, index_rows = entry
+    n = kv.shape[0]
+
+    def part(keys, rows):  # noqa: ANN001, ANN202
+        if rows is None:
+            return None
+        closed = n // rate * rate
+        overlap = None
+        if index_k is not None and closed:          # CSA: both compressors overlap
+            half = rows.shape[1] // 4
+            last = rows[closed - rate:closed]
+            overlap = torch.cat([last[:, :half], last[:, 2 * half:3 * half]], dim=-1)
+        return keys, rows[closed:], overlap
+    return kv[max(0, n - window + 1):], part(entries, comp_rows), part(index_k, index_rows)
 
 
-def prefill(model, caches: dict, batch: list[tuple[str, list[int]]], cp_size: int = 1,
-            rank: int = 0, group=None, counter: list | None = None):  # noqa: ANN001, ANN201
-    """One forward of ``batch`` (rids extend their caches) -> (hidden rows of this rank's tokens,
-    their flat indices, {rid: last-token logits} for the requests whose last token is here)."""
-    from graphcp.attention.deepseek_v4 import InterleaveGather, V4ReferenceAttention
-    from graphcp.cp import build_layout
-    from graphcp.forward_context import forward_context
-    rids, lens = [rid for rid, _ in batch], [len(ids) for _, ids in batch]
-    prefix = [caches[rid][0].length if rid in caches else 0 for rid in rids]
-    ids = torch.tensor([t for _, chunk in batch for t in chunk])
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
-    local = torch.tensor(build_layout("interleave", cp_size, rank, lens).local_indices)
-    gather = None
-    if cp_size > 1:
-        inner = InterleaveGather(group, cp_size, lens)
-
-        def gather(rows: torch.Tensor) -> torch.Tensor:
-            counter.append(rows.shape[-1])
-            return inner(rows)
-    op = V4ReferenceAttention(caches, rids, lens, local, gather)
-    with torch.no_grad(), forward_context(op):
-        hidden = model(ids[local], positions[local])
-        ends = torch.cumsum(torch.tensor(lens), 0) - 1
-        logits = {rid: model.compute_logits(hidden[local == end])[0]
-                  for rid, end in zip(rids, ends.tolist()) if bool((local == end).any())}
-    return hidden, local, logits
+def cache_errors(ours: tuple, theirs: tuple, where: str) -> list[float]:
+    """Relative errors of every cache tensor of a layer; shapes must agree, None where HF has
+    none."""
+    errs = []
+    for a, b in zip(_flatten(ours), _flatten(theirs)):
+        assert (a is None) == (b is None), f"{where}: cache part present on one side only"
+        if b is None:
+            continue
+        assert a.shape == b.shape, f"{where}: {tuple(a.shape)} vs {tuple(b.shape)}"
+        if b.numel():
+            errs.append(rel_err(a, b))
+    return errs
 
 
-def cp_worker(rank: int, world: int, path: str, batches: list, out_dir: str) -> None:
-    """One of ``world`` gloo ranks: interleave CP over all of them, and CP 2 over pairs of ranks;
-    writes each forward's hidden rows, logits, caches and gathered widths."""
-    import torch.distributed as dist
-    from graphcp.models import load_model
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg", rank=rank,
-                            world_size=world)
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    model = load_model(path, torch.float32, torch.device("cpu"))
-    results = {}
-    for cp_size, group, cp_rank in ((world, None, rank), (2, pairs[rank // 2], rank % 2)):
-        caches, steps = {}, []
-        for batch in batches:
-            counter = []
-            hidden, local, logits = prefill(model, caches, batch, cp_size, cp_rank, group, counter)
-            steps.append(dict(hidden=hidden, local=local, logits=logits, gathers=counter,
-                              caches={rid: [ours_layer(s) for s in layers]
-                                      for rid, layers in caches.items()}))
-        results[cp_size] = steps
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+def _flatten(layer: tuple) -> list:
+    window, comp, index = layer
+    return [window, *(comp or (None,) * 3), *(index or (None,) * 3)]

@@ -1,9 +1,9 @@
-"""DeepSeek V4 equals HF transformers on tiny random checkpoints: last-token logits and every cache
-part (sliding-window keys, compressed entries, indexer keys, the compressors' open-window buffers
-and overlap state) after batched, chunked prefill with chunk boundaries inside windows; and
-interleave CP 2 and 4 (real gloo groups) equals one rank. graphcp's model runs over explicit
-per-request caches here (``attention/deepseek_v4.py``); the engine refuses V4 until its paged
-caches land."""
+"""DeepSeek V4 served by the engine equals HF transformers on tiny random checkpoints (one rank):
+last-token logits and every cache part ``engine.kv_cache`` returns (the K = V rows, the compressed
+entries, the indexer keys, each compressor's kv | gate rows, which hold the open window and the
+overlap) after batched, chunked prefill with chunk boundaries inside windows; random chunkings
+equal one pass; release frees every part; legacy configs, FP8 and bf16; the config fields and flags
+V4 refuses name themselves. Interleave CP, EP and PD: tests/test_deepseek_v4_cp.py."""
 from __future__ import annotations
 
 import json
@@ -12,15 +12,14 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from deepseek_v4_reference import (VOCAB, V4Oracle, cp_worker, make_legacy_checkpoint,
-                                   make_v4_checkpoint, ours_layer, prefill)
+from deepseek_v4_reference import (CSA, HCA, VOCAB, V4Oracle, cache_errors, engine_layer,
+                                   make_legacy_checkpoint, make_v4_checkpoint)
 from fp8_checkpoint import make_fp8_checkpoint
 from hf_reference import rel_err
 from parity import TOL, random_ids
 
-from graphcp import ConfigError, Engine, EngineArgs
-from graphcp.models import load_model, read_model_config
+from graphcp import ConfigError, Engine, EngineArgs, Request, RequestError
+from graphcp.models import read_model_config
 from graphcp.models.deepseek_v4_names import v4_model_name
 
 A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29, VOCAB, 43)
@@ -29,7 +28,6 @@ A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29,
 BATCHES = [[("a", A[:37]), ("b", B[:61])],
            [("a", A[37:87]), ("c", C), ("one", A)],
            [("a", A[87:]), ("b", B[61:])]]
-CP_BATCHES = BATCHES[:2]        # several requests, a cached prefix, a 200-token one
 
 
 @pytest.fixture(scope="module")
@@ -47,83 +45,90 @@ def v4_oracle():
     return V4Oracle()
 
 
-def _cache_errors(ours: tuple, theirs: tuple, where: str) -> list[float]:
-    """Relative errors of every cache tensor; shapes must agree (None where HF has none)."""
-    errs = []
-    for a, b in zip(_flatten(ours), _flatten(theirs)):
-        assert (a is None) == (b is None), f"{where}: cache part present on one side only"
-        if b is None:
-            continue
-        assert a.shape == b.shape, f"{where}: {tuple(a.shape)} vs {tuple(b.shape)}"
-        if b.numel():
-            errs.append(rel_err(a, b))
-    return errs
+def check_request(engine, oracle: V4Oracle, path: str, logits: torch.Tensor, rid: str,
+                  history: list[int]) -> float:
+    """One request's logits and every layer's cache against HF on its whole history -> the worst
+    relative error."""
+    v4 = read_model_config(path).v4
+    ref_logits, ref_layers = oracle(path, history)
+    errs = [rel_err(logits, ref_logits)]
+    cache = engine.kv_cache(rid)
+    assert len(cache) == len(ref_layers)
+    for layer, (entry, ref) in enumerate(zip(cache, ref_layers)):
+        ours = engine_layer(entry, v4.sliding_window, v4.compress_rates[layer] or 1)
+        errs += cache_errors(ours, ref, f"{rid} layer {layer}")
+    worst = max(errs)
+    assert worst <= TOL, f"{rid} after {len(history)} tokens: rel err {worst:.2e}"
+    return worst
 
 
-def _flatten(layer: tuple) -> list:
-    window, comp, index = layer
-    return [window, *(comp or (None,) * 3), *(index or (None,) * 3)]
-
-
-def _run(path: str, oracle: V4Oracle, batches: list) -> tuple[dict, list]:
-    """The batches on one rank, each request checked against HF on its history -> (the last
-    caches, each forward's (hidden, logits)); prints the worst error."""
-    model = load_model(path, torch.float32, torch.device("cpu"))
-    caches, history, worst, steps = {}, {}, 0.0, []
+def run_batches(engine, oracle: V4Oracle, path: str, batches: list) -> tuple[float, list]:
+    """Each batch through the engine, every request checked against HF -> (worst error, logits
+    of each forward by rid)."""
+    history, worst, steps = {}, 0.0, []
     for batch in batches:
-        hidden, _, logits = prefill(model, caches, batch)
-        steps.append((hidden, logits))
-        for rid, ids in batch:
+        out = engine.prefill([Request(rid, ids) for rid, ids in batch])
+        assert out.mode == "eager" and "DeepSeek V4" in out.eager_reason
+        steps.append({rid: out.logits[i] for i, (rid, _) in enumerate(batch)})
+        for i, (rid, ids) in enumerate(batch):
             history[rid] = history.get(rid, []) + ids
-            ref_logits, ref_layers = oracle(path, history[rid])
-            errs = [rel_err(logits[rid], ref_logits)]
-            for layer, (state, ref) in enumerate(zip(caches[rid], ref_layers)):
-                errs += _cache_errors(ours_layer(state), ref, f"{rid} layer {layer}")
-            assert max(errs) <= TOL, f"{rid} after {len(history[rid])} tokens: {max(errs):.2e}"
-            worst = max(worst, *errs)
-    print(f"worst rel err {worst:.2e}")
-    return caches, steps
+            worst = max(worst, check_request(engine, oracle, path, out.logits[i], rid, history[rid]))
+    return worst, steps
 
 
-def test_chunked_batches_match_hf(v4, v4_oracle):
+def release_all(engine, rids) -> None:  # noqa: ANN001
+    for rid in rids:
+        engine.release(rid)
+    stats = engine.stats()
+    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]          # every part freed
+
+
+def test_chunked_batches_match_hf(engines, v4, v4_oracle):
     assert os.path.isfile(os.path.join(v4, "model.safetensors.index.json"))     # sharded
-    caches, steps = _run(v4, v4_oracle, BATCHES)
-    assert rel_err(steps[2][1]["a"], steps[1][1]["one"]) <= TOL      # chunked equals one pass
-    kinds = read_model_config(v4).v4.layer_types
-    for layer, kind in enumerate(kinds):            # what a 200-token request leaves in the caches
-        state = caches["a"][layer]
-        assert state.length == 200 and state.window.shape[0] == 15
-        if kind != "sliding_attention":
-            rate = 4 if kind.startswith("compressed") else 16
-            assert state.compressor.entries.shape[0] == 200 // rate
-            assert state.compressor.buffer.shape[0] == 200 % rate
+    engine = engines.get(v4)
+    worst, steps = run_batches(engine, v4_oracle, v4, BATCHES)
+    print(f"worst rel err vs HF (logits and caches) {worst:.2e}")
+    assert rel_err(steps[2]["a"], steps[1]["one"]) <= TOL          # chunked equals one pass
+    # the documented kv_cache format for a 200-token request: CSA (rate 4), sliding, HCA (rate 16)
+    shapes = [[(200, 32), (50, 32), (50, 16), (200, 128), (200, 64)], [(200, 32)] + [None] * 4,
+              [(200, 32), (12, 32), None, (200, 64), None]]
+    got = [[None if t is None else tuple(t.shape) for t in layer] for layer in engine.kv_cache("a")]
+    assert got == shapes
+    release_all(engine, ["a", "b", "c", "one"])
+    with pytest.raises(RequestError, match="'a'"):
+        engine.kv_cache("a")
 
 
-def test_random_chunkings_equal_one_pass(v4):
+def test_random_chunkings_equal_one_pass(engines, v4):
     """200 tokens cut at random points (chunks of 1 token, chunks inside one window, chunks
     spanning many) leave the same caches and last logits as one pass."""
-    model = load_model(v4, torch.float32, torch.device("cpu"))
-    one = {}
-    _, _, ref = prefill(model, one, [("a", A)])
+    engine = engines.get(v4)
+    ref = engine.prefill([Request("whole", A)]).logits[0]
+    whole = engine.kv_cache("whole")
     gen = torch.Generator().manual_seed(5)
     for trial in range(3):
-        cuts = sorted(set(torch.randint(1, 200, (int(torch.randint(1, 6, (1,), generator=gen)),),
-                                        generator=gen).tolist() + [199 - trial]))
-        caches, logits = {}, None
+        count = int(torch.randint(1, 6, (1,), generator=gen))
+        cuts = sorted(set(torch.randint(1, 200, (count,), generator=gen).tolist() + [199 - trial]))
+        rid = f"cut{trial}"
         for lo, hi in zip([0] + cuts, cuts + [200]):
-            _, _, logits = prefill(model, caches, [("a", A[lo:hi])])
-        errs = [rel_err(logits["a"], ref["a"])]
-        for layer, state in enumerate(caches["a"]):
-            errs += _cache_errors(ours_layer(state), ours_layer(one["a"][layer]), f"{cuts}")
+            logits = engine.prefill([Request(rid, A[lo:hi])]).logits[0]
+        errs = [rel_err(logits, ref)]
+        for ours, theirs in zip(engine.kv_cache(rid), whole):
+            errs += [rel_err(a, b) for a, b in zip(ours, theirs) if b is not None]
         assert max(errs) <= TOL, f"cuts {cuts}: {max(errs):.2e}"
+        engine.release(rid)
+    release_all(engine, ["whole"])
 
 
-def test_legacy_config_and_module_names_match_hf(v4_legacy, v4_oracle):
+def test_legacy_config_and_module_names_match_hf(engines, v4_legacy, v4_oracle):
     """Legacy config keys, sigmoid scoring, tied embeddings, fused experts, an MTP tensor."""
-    _run(v4_legacy, v4_oracle, [[("a", A), ("b", B)]])
+    engine = engines.get(v4_legacy)
+    worst, _ = run_batches(engine, v4_oracle, v4_legacy, [[("a", A), ("b", B)]])
+    print(f"legacy: worst rel err {worst:.2e}")
+    release_all(engine, ["a", "b"])
 
 
-def test_fp8_checkpoint_matches_its_dequantized_twin(v4_legacy, v4_oracle, tmp_path):
+def test_fp8_checkpoint_matches_its_dequantized_twin(engines, v4_legacy, v4_oracle, tmp_path):
     """Every projection block-quantized (the compressors' and indexer-weight projections stay
     unquantized, as transformers keeps them) and read through graphcp's FP8 path, against HF on
     the exactly dequantized checkpoint."""
@@ -134,10 +139,10 @@ def test_fp8_checkpoint_matches_its_dequantized_twin(v4_legacy, v4_oracle, tmp_p
                                        "indexer.gate_proj", "indexer.scorer.weights_proj")]
     fp8, twin = make_fp8_checkpoint(v4_legacy, str(tmp_path / "fp8"), str(tmp_path / "twin"),
                                     (16, 16), tuple(keep))
-    model = load_model(fp8, torch.float32, torch.device("cpu"))
     assert read_model_config(fp8).fp8_block == (16, 16)
-    _, _, logits = prefill(model, {}, [("a", A)])
-    err = rel_err(logits["a"], v4_oracle(twin, A)[0])
+    with Engine(EngineArgs(model_path=fp8, max_total_tokens=1024)) as engine:
+        logits = engine.prefill([Request("a", A)]).logits[0]
+    err = rel_err(logits, v4_oracle(twin, A)[0])
     print(f"fp8 rel err {err:.2e}")
     assert err <= TOL
 
@@ -149,10 +154,9 @@ def test_bf16_matches_hf_bf16(v4):
     hf = transformers.AutoModelForCausalLM.from_pretrained(v4, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([A])).logits[0, -1].float()
-    model = load_model(v4, torch.bfloat16, torch.device("cpu"))
-    assert model.model.layers["0"].self_attn.sinks.dtype == torch.float32
-    _, _, logits = prefill(model, {}, [("a", A)])
-    err = rel_err(logits["a"], ref)
+    with Engine(EngineArgs(model_path=v4, dtype="bfloat16", max_total_tokens=1024)) as engine:
+        logits = engine.prefill([Request("a", A)]).logits[0]
+    err = rel_err(logits, ref)
     print(f"bf16 rel err vs HF bf16 {err:.2e}")
     assert err <= 1e-2
 
@@ -186,7 +190,7 @@ def test_selection_and_compression_change_the_answer(v4, v4_oracle, tmp_path):
     unused): the parity above checks the top-k and the compressed entries."""
     ids = A[:150]
     base = v4_oracle(v4, ids)[0]
-    kinds = ["compressed_sparse_attention", "sliding_attention", "sliding_attention"]
+    kinds = [CSA, "sliding_attention", "sliding_attention"]
     for key, value in (("index_topk", 64), ("layer_types", kinds)):
         variant = tmp_path / key
         shutil.copytree(v4, variant)
@@ -196,40 +200,6 @@ def test_selection_and_compression_change_the_answer(v4, v4_oracle, tmp_path):
         assert rel_err(v4_oracle(str(variant), ids)[0], base) > 1e-3, key
 
 
-def test_interleave_cp_matches_one_rank(v4, v4_oracle, tmp_path):
-    """4 gloo ranks: CP 4, then CP 2 on each pair. Each rank's hidden rows equal one rank's rows
-    at its tokens (t % C == rank), every rank holds the whole cache, each layer gathers its new
-    rows (K = V, compressor and indexer projections) in one all-gather, and the last-token
-    logits equal HF's."""
-    model = load_model(v4, torch.float32, torch.device("cpu"))
-    caches, single, history, hf = {}, [], {}, []
-    for batch in CP_BATCHES:
-        hidden, _, logits = prefill(model, caches, batch)
-        single.append((hidden, logits, {rid: [ours_layer(s) for s in layers]
-                                        for rid, layers in caches.items()}))
-        history.update({rid: history.get(rid, []) + ids for rid, ids in batch})
-        hf.append({rid: v4_oracle(v4, history[rid])[0] for rid, _ in batch})
-    mp.spawn(cp_worker, args=(4, v4, CP_BATCHES, str(tmp_path)), nprocs=4, join=True)
-    # gathered row widths per layer (CSA, sliding, HCA): K = V 32, the compressor's kv | gate of
-    # 2 x 64 (CSA, overlapping) or 2 x 32 (HCA), the indexer's 2 x 32
-    worst, widths = 0.0, [32 + 2 * 64 + 2 * 32, 32, 32 + 2 * 32]
-    for rank in range(4):
-        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for cp_size, steps in results.items():
-            for (hidden, logits, ref_caches), ref_logits, step in zip(single, hf, steps):
-                mine = list(range(rank % cp_size, hidden.shape[0], cp_size))
-                assert step["local"].tolist() == mine and step["gathers"] == widths
-                errs = [rel_err(step["hidden"], hidden[step["local"]])]
-                errs += [rel_err(step["logits"][rid], logits[rid]) for rid in step["logits"]]
-                errs += [rel_err(step["logits"][rid], ref_logits[rid]) for rid in step["logits"]]
-                for rid, layers in ref_caches.items():
-                    for layer, ref in enumerate(layers):
-                        errs += _cache_errors(step["caches"][rid][layer], ref, f"{rid} {layer}")
-                assert max(errs) <= TOL, f"CP {cp_size} rank {rank}: {max(errs):.2e}"
-                worst = max(worst, *errs)
-    print(f"worst rel err vs one rank and HF {worst:.2e}")
-
-
 @pytest.mark.parametrize("key,value,flag", [
     ("num_key_value_heads", 2, "num_key_value_heads"),
     ("scoring_func", "softmax", "scoring_func"),
@@ -237,8 +207,7 @@ def test_interleave_cp_matches_one_rank(v4, v4_oracle, tmp_path):
     ("norm_topk_prob", False, "norm_topk_prob"),
     ("layer_types", ["sliding_attention"] * 2, "layer_types"),
     ("mlp_layer_types", ["dense"] * 3, "mlp_layer_types"),
-    ("compress_rates", {"compressed_sparse_attention": 0,
-                        "heavily_compressed_attention": 16}, "compress_rates"),
+    ("compress_rates", {CSA: 0, HCA: 16}, "compress_rates"),
     ("o_groups", 3, "o_groups"),
     ("expert_dtype", "fp4", "expert_dtype"),
     ("rope_parameters", {"main": {"rope_type": "llama3", "rope_theta": 1e4},
@@ -254,6 +223,29 @@ def test_config_errors_name_the_field(v4, tmp_path, key, value, flag):
         read_model_config(str(bad))
 
 
-def test_engine_refuses_until_integrated(v4):
-    with pytest.raises(ConfigError, match="DeepseekV4ForCausalLM"):
-        Engine(EngineArgs(model_path=v4, max_total_tokens=1024))
+CP = dict(enable_prefill_cp=True, attn_cp_size=2, tp_size=2)
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(CP, cp_strategy="zigzag"), "--cp-strategy"),
+    (dict(tp_size=2), "--tp"),                               # attention TP 2 over one KV head
+    (dict(tp_size=2, dp_size=2), "--dp"),
+    (dict(pp_size=2), "--pp"),
+    (dict(speculative_aux_hidden_layers=(1,)), "--speculative-aux-hidden-layers"),
+    (dict(CP, tp_size=3, attn_cp_size=3, cp_strategy="interleave", ep_size=3), "--ep"),
+])
+def test_flags_name_the_flag(v4, kwargs, flag):
+    """Refused before any rank process starts."""
+    with pytest.raises(ConfigError, match=flag):
+        Engine(EngineArgs(model_path=v4, max_total_tokens=1024, **kwargs))
+
+
+def test_bench_counts_each_ranks_v4_work(v4):
+    """C=2, one request of 9 tokens, window 16, CSA rate 4 (top-6), HCA rate 16: rank 0 holds
+    positions 0, 2, .., 8 (1, 3, 5, 7, 9 keys seen), rank 1 positions 1, .., 7 (2, 4, 6, 8). CSA
+    entries closed: 0+0+1+1+2 = 4 and 0+1+1+2 = 4; HCA none; every layer attends the window."""
+    from graphcp.tools.dsa_balance import v4_balance
+    got = v4_balance(2, [9], read_model_config(v4).v4)
+    assert got["indexer_keys_per_rank"] == [4, 4]
+    assert got["attended_keys_per_rank"] == [3 * 25 + 4, 3 * 20 + 4]
+    assert got["attention_max_over_mean"] == pytest.approx(79 * 2 / 143)
