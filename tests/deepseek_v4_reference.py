@@ -8,10 +8,20 @@ import os
 
 import torch
 from hf_reference import rel_err
+from parity import TOL, random_ids
 from safetensors.torch import save_file
+
+from graphcp import Request
+from graphcp.models import read_model_config
 
 VOCAB = 211
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29, VOCAB, 43)
+# a: 37 + 50 + 113 tokens (boundaries inside CSA windows of 4 and HCA windows of 16), b: 61 + 79,
+# c: 29 in one; "one" holds a's 200 tokens in one forward.
+BATCHES = [[("a", A[:37]), ("b", B[:61])],
+           [("a", A[37:87]), ("c", C), ("one", A)],
+           [("a", A[87:]), ("b", B[61:])]]
 # Windows and rates small enough that a 200-token request crosses 12 windows of 16, 50 CSA entries
 # (index_topk 6 of them per query) and 12 HCA entries; 16 indexer heads keep exact score ties
 # (ReLU zeros on every head) out of the top-k.
@@ -56,6 +66,14 @@ def make_v4_checkpoint(path: str, seed: int = 31, **overrides) -> str:
     model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**kwargs)).float()
     _randomize(model, seed)
     model.save_pretrained(path, max_shard_size="200KB")
+    return path
+
+
+def v4_checkpoint(ckpt_dir) -> str:  # noqa: ANN001 - the session's checkpoint folder
+    """The suite's V4 checkpoint, written once for every test file that serves it."""
+    path = str(ckpt_dir / "deepseek_v4")
+    if not os.path.isdir(path):
+        make_v4_checkpoint(path)
     return path
 
 
@@ -161,3 +179,41 @@ def cache_errors(ours: tuple, theirs: tuple, where: str) -> list[float]:
 def _flatten(layer: tuple) -> list:
     window, comp, index = layer
     return [window, *(comp or (None,) * 3), *(index or (None,) * 3)]
+
+
+def check_request(engine, oracle: V4Oracle, path: str, logits: torch.Tensor, rid: str,
+                  history: list[int]) -> float:
+    """One request's logits and every layer's cache against HF on its whole history -> the worst
+    relative error."""
+    v4 = read_model_config(path).v4
+    ref_logits, ref_layers = oracle(path, history)
+    errs = [rel_err(logits, ref_logits)]
+    cache = engine.kv_cache(rid)
+    assert len(cache) == len(ref_layers)
+    for layer, (entry, ref) in enumerate(zip(cache, ref_layers)):
+        ours = engine_layer(entry, v4.sliding_window, v4.compress_rates[layer] or 1)
+        errs += cache_errors(ours, ref, f"{rid} layer {layer}")
+    worst = max(errs)
+    assert worst <= TOL, f"{rid} after {len(history)} tokens: rel err {worst:.2e}"
+    return worst
+
+
+def run_batches(engine, oracle: V4Oracle, path: str, batches: list) -> tuple[float, list]:
+    """Each batch through the engine, every request checked against HF -> (worst error, each
+    forward's PrefillOutput)."""
+    history, worst, outs = {}, 0.0, []
+    for batch in batches:
+        out = engine.prefill([Request(rid, ids) for rid, ids in batch])
+        assert out.mode == "eager" and "DeepSeek V4" in out.eager_reason
+        outs.append(out)
+        for i, (rid, ids) in enumerate(batch):
+            history[rid] = history.get(rid, []) + ids
+            worst = max(worst, check_request(engine, oracle, path, out.logits[i], rid, history[rid]))
+    return worst, outs
+
+
+def release_all(engine, rids) -> None:  # noqa: ANN001
+    for rid in rids:
+        engine.release(rid)
+    stats = engine.stats()
+    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]          # every part freed

@@ -12,27 +12,20 @@ import shutil
 
 import pytest
 import torch
-from deepseek_v4_reference import (CSA, HCA, VOCAB, V4Oracle, cache_errors, engine_layer,
-                                   make_legacy_checkpoint, make_v4_checkpoint)
+from deepseek_v4_reference import (BATCHES, CSA, HCA, A, B, V4Oracle, make_legacy_checkpoint,
+                                   release_all, run_batches, v4_checkpoint)
 from fp8_checkpoint import make_fp8_checkpoint
 from hf_reference import rel_err
-from parity import TOL, random_ids
+from parity import TOL
 
 from graphcp import ConfigError, Engine, EngineArgs, Request, RequestError
 from graphcp.models import read_model_config
 from graphcp.models.deepseek_v4_names import v4_model_name
 
-A, B, C = random_ids(200, VOCAB, 41), random_ids(140, VOCAB, 42), random_ids(29, VOCAB, 43)
-# a: 37 + 50 + 113 tokens (boundaries inside CSA windows of 4 and HCA windows of 16), b: 61 + 79,
-# c: 29 in one; "one" holds a's 200 tokens in one forward.
-BATCHES = [[("a", A[:37]), ("b", B[:61])],
-           [("a", A[37:87]), ("c", C), ("one", A)],
-           [("a", A[87:]), ("b", B[61:])]]
-
 
 @pytest.fixture(scope="module")
 def v4(ckpt_dir):
-    return make_v4_checkpoint(str(ckpt_dir / "deepseek_v4"))
+    return v4_checkpoint(ckpt_dir)
 
 
 @pytest.fixture(scope="module")
@@ -45,50 +38,12 @@ def v4_oracle():
     return V4Oracle()
 
 
-def check_request(engine, oracle: V4Oracle, path: str, logits: torch.Tensor, rid: str,
-                  history: list[int]) -> float:
-    """One request's logits and every layer's cache against HF on its whole history -> the worst
-    relative error."""
-    v4 = read_model_config(path).v4
-    ref_logits, ref_layers = oracle(path, history)
-    errs = [rel_err(logits, ref_logits)]
-    cache = engine.kv_cache(rid)
-    assert len(cache) == len(ref_layers)
-    for layer, (entry, ref) in enumerate(zip(cache, ref_layers)):
-        ours = engine_layer(entry, v4.sliding_window, v4.compress_rates[layer] or 1)
-        errs += cache_errors(ours, ref, f"{rid} layer {layer}")
-    worst = max(errs)
-    assert worst <= TOL, f"{rid} after {len(history)} tokens: rel err {worst:.2e}"
-    return worst
-
-
-def run_batches(engine, oracle: V4Oracle, path: str, batches: list) -> tuple[float, list]:
-    """Each batch through the engine, every request checked against HF -> (worst error, logits
-    of each forward by rid)."""
-    history, worst, steps = {}, 0.0, []
-    for batch in batches:
-        out = engine.prefill([Request(rid, ids) for rid, ids in batch])
-        assert out.mode == "eager" and "DeepSeek V4" in out.eager_reason
-        steps.append({rid: out.logits[i] for i, (rid, _) in enumerate(batch)})
-        for i, (rid, ids) in enumerate(batch):
-            history[rid] = history.get(rid, []) + ids
-            worst = max(worst, check_request(engine, oracle, path, out.logits[i], rid, history[rid]))
-    return worst, steps
-
-
-def release_all(engine, rids) -> None:  # noqa: ANN001
-    for rid in rids:
-        engine.release(rid)
-    stats = engine.stats()
-    assert stats["kv_tokens_free"] == stats["kv_tokens_total"]          # every part freed
-
-
 def test_chunked_batches_match_hf(engines, v4, v4_oracle):
     assert os.path.isfile(os.path.join(v4, "model.safetensors.index.json"))     # sharded
     engine = engines.get(v4)
-    worst, steps = run_batches(engine, v4_oracle, v4, BATCHES)
+    worst, outs = run_batches(engine, v4_oracle, v4, BATCHES)
     print(f"worst rel err vs HF (logits and caches) {worst:.2e}")
-    assert rel_err(steps[2]["a"], steps[1]["one"]) <= TOL          # chunked equals one pass
+    assert rel_err(outs[2].logits[0], outs[1].logits[2]) <= TOL     # chunked "a" equals "one"
     # the documented kv_cache format for a 200-token request: CSA (rate 4), sliding, HCA (rate 16)
     shapes = [[(200, 32), (50, 32), (50, 16), (200, 128), (200, 64)], [(200, 32)] + [None] * 4,
               [(200, 32), (12, 32), None, (200, 64), None]]
