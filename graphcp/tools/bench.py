@@ -51,7 +51,11 @@ class _HF:
         kw = dict(dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa")
         if path.endswith(".gguf"):          # transformers dequantizes a GGUF itself (needs gguf, accelerate)
             kw["gguf_file"], path = os.path.basename(path), os.path.dirname(os.path.abspath(path))
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
+        try:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
+        except ValueError:              # an architecture without SDPA (DeepSeek V4): HF's eager attention
+            kw["attn_implementation"] = "eager"
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
         self.model.eval()
         self.device = device
 
