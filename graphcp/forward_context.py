@@ -42,9 +42,9 @@ class MoECommunicator(Protocol):
     def run(self, x: torch.Tensor, router: Callable, experts: Callable,
             row_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, H] -> sum over each row's routed experts, [rows, H]. ``router(x) -> (weights, ids)``;
-        ``experts(x, ids, weights)`` sums this rank's experts' weighted outputs. ``row_ids`` [rows]: an
-        integer per row (e.g. its token id) that travels with the rows; the router is then called
-        ``router(rows, their row_ids)``."""
+        ``experts(x, ids, weights)`` sums this rank's experts' weighted outputs. ``row_ids``
+        [rows]: an integer per row (e.g. its token id) that travels with the rows; the router is
+        then called ``router(rows, their row_ids)``."""
 
 
 def route(router: Callable, x: torch.Tensor, row_ids: torch.Tensor | None) -> tuple:

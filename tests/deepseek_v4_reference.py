@@ -103,9 +103,9 @@ def make_legacy_checkpoint(path: str, seed: int = 32) -> str:
 
 class V4Oracle:
     """HF in fp32, one pass over a whole history -> (last-token logits, per layer (window keys,
-    compressor (entries, buffer, overlap) or None, indexer (the same) or None)). Buffers and overlaps
-    are kv | gate rows as projected (HF's overlap gate has the position bias added; it is taken off
-    here, as graphcp caches the rows before the bias)."""
+    compressor (entries, buffer, overlap) or None, indexer (the same) or None)). Buffers and
+    overlaps are kv | gate rows as projected: HF's overlap gate has the position bias added, which
+    is taken off here, as graphcp caches the rows before the bias."""
 
     def __init__(self) -> None:
         self.models, self.cache = {}, {}
@@ -208,7 +208,8 @@ def run_batches(engine, oracle: V4Oracle, path: str, batches: list) -> tuple[flo
         outs.append(out)
         for i, (rid, ids) in enumerate(batch):
             history[rid] = history.get(rid, []) + ids
-            worst = max(worst, check_request(engine, oracle, path, out.logits[i], rid, history[rid]))
+            err = check_request(engine, oracle, path, out.logits[i], rid, history[rid])
+            worst = max(worst, err)
     return worst, outs
 
 

@@ -15,7 +15,7 @@ from deepseek_v4_reference import BATCHES, V4Oracle, release_all, run_batches, v
 from graphcp import Request
 from graphcp.models import read_model_config
 
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")        # as graphcp sets it before its own import of mooncake
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")     # as graphcp sets it before importing mooncake
 CP_BATCHES = BATCHES[:2]        # several requests, a cached prefix, a 200-token one
 LAYERS = 3
 # per token, fp32: CSA K = V 32, its rows 128, entry 32, indexer rows 64, key 16; sliding 32;

@@ -1,8 +1,8 @@
 """The DeepSeek V4 attention op the V4 layers call through the forward context:
 ``op(layer, q, kv, *compressor_rows, sinks, scale, compressors, index)``, and its cache layout.
 
-Every part is per token, in the paged pool: the K = V row of each token (the sliding branch reads the
-last ``sliding_window`` of them), each compressor's kv | gate projections of each token (an open
+Every part is per token, in the paged pool: the K = V row of each token (the sliding branch reads
+the last ``sliding_window`` of them), each compressor's kv | gate projections of each token (an open
 window and the overlap a CSA entry pools from the previous window are the last rows of a request's
 tokens, so chunked prefill needs no other state), and each compressor's entry (CSA: also the indexer
 key), written at the slot of the last token of the window it pools. The entry rows of other slots
@@ -58,7 +58,7 @@ class V4SlidingAttention:
         with the compressor modules (``Compressor.entries``); index (CSA): the indexer's queries
         [T, Hi, Di] and head weights [T, Hi] -> [T, H, D]."""
         pool, meta = self.pool, self.meta
-        pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix from its owner
+        pool.prepare(layer_id)       # LayerSplit: a non-owned layer's cached prefix from its owner
         names = ("kv",) + tuple(raw for raw, _ in self.compressed)
         widths = [kv.shape[-1]] + [r.shape[-1] for r in rows]
         full = self.ctx.all_gather(torch.cat([kv, *rows], dim=-1))          # one collective
@@ -68,7 +68,8 @@ class V4SlidingAttention:
             self._close_windows(layer_id, raw, entries, compressor)
         return self._attend(layer_id, q, sinks, scale, compressors, index)
 
-    def _close_windows(self, layer: int, raw: str, entries: str, compressor) -> None:  # noqa: ANN001
+    def _close_windows(self, layer: int, raw: str, entries: str,
+                       compressor: torch.nn.Module) -> None:
         """Pool every window whose last token is new in this batch (any rank's), from the pool's
         rows of its ``span`` tokens, and write its entry at that token's slot."""
         meta, pool, rate = self.meta, self.pool, compressor.rate
@@ -123,8 +124,9 @@ class V4SlidingAttention:
             return entry_slots.index_select(0, seq), shown
         index_q, weights = index
         with nvtx_range("v4_indexer"):
-            scores = self.ctx.kernels.dsa.indexer_scores(
-                index_q[rows], weights[rows], self.pool.part(layer, "index_k"), entry_slots, seq, limit)
+            keys = self.pool.part(layer, "index_k")
+            scores = self.ctx.kernels.dsa.indexer_scores(index_q[rows], weights[rows], keys,
+                                                         entry_slots, seq, limit)
             return select_topk(scores, entry_slots, seq, limit, self.topk)
 
 
@@ -139,7 +141,8 @@ class V4CSAAttention(V4SlidingAttention):
 # -- the cache layout (attention/kinds.py) ------------------------------------------------------
 def v4_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
     """Per token: K = V; HCA its compressor's kv | gate (2 x head_dim) and entry; CSA its
-    overlapping compressor's (4 x head_dim) and entry, the indexer's (4 x index_head_dim) and key."""
+    overlapping compressor's (4 x head_dim) and entry, the indexer's (4 x index_head_dim) and
+    key."""
     v4, d = cfg.v4, cfg.head_dim
     kind, parts = v4.layer_types[layer], [CachePart("kv", (d,))]
     if kind == HCA:

@@ -13,6 +13,10 @@ ep)`` hold experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``), each expert 
   per-destination counts), runs its experts, and returns the outputs with a second all-to-all; the
   sender applies the routing weights.
 
+A block may give a per-row integer (DeepSeek V4's hash-routed layers: each row's token id) that the
+router needs: ``none`` gathers it with the rows; under ``all_to_all`` each rank routes its own rows,
+so the ids stay beside them.
+
 The all-to-all's split sizes depend on the routing and must be known on the host, so the exchange is
 a graph break on every backend, NCCL included. The capturable alternative, a fixed-capacity
 exchange, must size each destination's buffer for the worst case (all of a rank's pairs to one
@@ -124,7 +128,7 @@ class AllToAllMoE:
             x = nn.functional.pad(x, (0, 0, 0, pad))[mine]
             valid = nn.functional.pad(valid, (0, pad))[mine]
             row_ids = None if row_ids is None else nn.functional.pad(row_ids, (0, pad))[mine]
-        weights, ids = route(router, x, row_ids)     # each rank routes its own rows, ids beside them
+        weights, ids = route(router, x, row_ids)   # each rank routes its own rows, ids beside them
         out = x.new_empty(x.shape)
         _dispatch_combine(self, out, x, ids, weights, valid, experts)
         if self.attn_tp_size == 1:

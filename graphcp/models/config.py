@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
-from graphcp.models.deepseek_v4_config import (V4_ARCHITECTURES, DeepseekV4Config, v4_attention_kinds,
-                                               v4_fields)
+from graphcp.models.deepseek_v4_config import (V4_ARCHITECTURES, DeepseekV4Config,
+                                               v4_attention_kinds, v4_fields)
 from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
 from graphcp.models.rope import DEFAULT_THETA, read_rope, rope_positions

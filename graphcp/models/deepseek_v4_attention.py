@@ -58,7 +58,8 @@ class Compressor(nn.Module):
     def entries(self, rows: torch.Tensor, present: torch.Tensor,
                 blocks: torch.Tensor) -> torch.Tensor:
         """The entries of windows ``blocks`` [E] (entry e pools tokens up to (e + 1) * rate - 1):
-        rows [E, span, 2 * width] of the ``span`` tokens ending there, present [E, span] -> [E, d]."""
+        rows [E, span, 2 * width] of the ``span`` tokens ending there, present [E, span]
+        -> [E, d]."""
         pooled = pool_windows(rows, present, self.position_bias, self.overlapping)
         cos, sin = self.rotary[0](blocks * self.rate, pooled.dtype)
         return rotate_tail(self.kv_norm(pooled), cos, sin)
@@ -136,7 +137,8 @@ class V4Attention(nn.Module):
             compressors = (self.compressor,)
         if self.kind == CSA:
             indexer = self.compressor.indexer
-            compressors, index = (self.compressor, indexer), indexer.queries(x, q_residual, cos, sin)
+            compressors = (self.compressor, indexer)
+            index = indexer.queries(x, q_residual, cos, sin)
         rows = [c.rows(x) for c in compressors]
         out = current_attention()(self.layer_id, q, kv, *rows, sinks=self.sinks, scale=self.scale,
                                   compressors=compressors, index=index)          # [T, H, D]

@@ -229,10 +229,12 @@ def _rope_spec(label: str, params: dict, head_dim: int, raw: dict) -> RopeSpec:
 
 def check_v4_flags(args) -> None:  # noqa: ANN001 - EngineArgs
     """V4 shards queries by interleave only, without DP, attention TP or pipeline stages (its
-    attention has one KV head, as DSA's MLA); the flags its op and model do not serve are refused."""
+    attention has one KV head, as DSA's MLA); the flags its op and model do not serve are
+    refused."""
     if args.cp_size > 1 and args.cp_strategy != "interleave":
         raise ConfigError(f"--cp-strategy {args.cp_strategy}: DeepSeek V4 needs --cp-strategy "
-                          "interleave (its compressors run on the all-gathered rows in token order)")
+                          "interleave (its compressors run on the all-gathered rows in token "
+                          "order)")
     for flag, value in (("--dp", args.dp_size), ("--pp", args.pp_size)):
         if value > 1:
             raise ConfigError(f"{flag} {value}: DeepSeek V4 needs {flag} 1")

@@ -41,8 +41,9 @@ class KVReceiver:
         transfer_engine_class()                                  # a clear error here, not in the child
         cfg = read_model_config(model_path)
         self.layout = layout_for(cfg, max_tokens, dtype)
-        layers = range(cfg.num_hidden_layers)           # rows become engine.kv_cache's format by kind
-        self.model_config, self.kinds, self.parts = cfg, layer_kinds(cfg, layers), cache_parts(cfg, layers, 1)
+        layers = range(cfg.num_hidden_layers)       # rows become engine.kv_cache's format by kind
+        self.model_config, self.kinds = cfg, layer_kinds(cfg, layers)
+        self.parts = cache_parts(cfg, layers, 1)
         self.protocol, self.max_requests = protocol, max_requests
         self._slots: dict[str, int] = {}
         self._proc = None
@@ -94,9 +95,9 @@ class KVReceiver:
         return destination_dict(rid, self.session, self.protocol, self.layout, addr)
 
     def kv(self, rid: str) -> list[tuple]:
-        """The received cache in ``engine.kv_cache`` format (each layer's kind's export): per layer (k, v)
-        [num_kv_heads, len, head_dim] (dense), (kv_latent, k_rope, index_k or None) [len, dim] (DSA), or
-        DeepSeek V4's five parts (README); fp32."""
+        """The received cache in ``engine.kv_cache`` format (each layer's kind's export): per layer
+        (k, v) [num_kv_heads, len, head_dim] (dense), (kv_latent, k_rope, index_k or None)
+        [len, dim] (DSA), or DeepSeek V4's five parts (README); fp32."""
         self._check_open()
         if rid not in self._slots:
             raise RequestError(f"request {rid!r}: no destination was reserved for it on this receiver")

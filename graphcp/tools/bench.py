@@ -53,7 +53,7 @@ class _HF:
             kw["gguf_file"], path = os.path.basename(path), os.path.dirname(os.path.abspath(path))
         try:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
-        except ValueError:              # an architecture without SDPA (DeepSeek V4): HF's eager attention
+        except ValueError:      # an architecture without SDPA (DeepSeek V4): HF's eager attention
             kw["attn_implementation"] = "eager"
             self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
         self.model.eval()
@@ -155,10 +155,10 @@ def run(argv: list[str]) -> int:
           f"page allocation {prep['tensor']['allocate_us']:.0f} us")
     report["host_prep_us"] = prep["host_prep_us"]
     model_cfg = read_model_config(args.model_path)
-    if model_cfg.dsa is not None:    # the indexer's and the sparse attention's work per rank (interleave)
+    if model_cfg.dsa is not None:    # the indexer's and sparse attention's work per rank
         table, report["dsa_balance"] = dsa_table(cases, balance_cp, model_cfg.dsa.index_topk)
         print(table)
-    if model_cfg.v4 is not None:     # the same for DeepSeek V4's CSA indexers and all its layers' keys
+    if model_cfg.v4 is not None:     # the same for DeepSeek V4's CSA indexers and all layers' keys
         table, report["v4_balance"] = v4_table(cases, balance_cp, model_cfg.v4)
         print(table)
     moe = moe_traffic(args, cases, vocab)

@@ -39,7 +39,7 @@ def v4_balance(cp: int, extend_lens: list[int], v4) -> dict:  # noqa: ANN001 - a
     closes (the same work on each rank), which is not counted here."""
     scored, attended = [], []
     for rank in range(cp):
-        seen = build_layout("interleave", cp, rank, extend_lens).kv_lens      # position + 1 per query
+        seen = build_layout("interleave", cp, rank, extend_lens).kv_lens    # position + 1 per query
         score = attend = 0
         for kind, rate in zip(v4.layer_types, v4.compress_rates):
             attend += sum(min(v4.sliding_window, n) for n in seen)
@@ -58,9 +58,11 @@ def v4_balance(cp: int, extend_lens: list[int], v4) -> dict:  # noqa: ANN001 - a
 
 def v4_table(cases: list[tuple[int, int]], cp: int, v4) -> tuple[str, list[dict]]:  # noqa: ANN001
     rows = [{"case": f"{n}x{length}", **v4_balance(cp, [length] * n, v4)} for n, length in cases]
-    lines = ["", f"DeepSeek V4 work per rank under interleave at CP={cp} (window {v4.sliding_window}, "
-                 f"index_topk {v4.index_topk}): entries scored by the indexers, keys attended",
-             f"{'case':>7} {'indexer max/mean':>16} {'attention max/mean':>18}  attended keys per rank"]
+    lines = ["", f"DeepSeek V4 work per rank under interleave at CP={cp} (window "
+                 f"{v4.sliding_window}, index_topk {v4.index_topk}): entries scored by the "
+                 "indexers, keys attended",
+             f"{'case':>7} {'indexer max/mean':>16} {'attention max/mean':>18}  "
+             "attended keys per rank"]
     for r in rows:
         lines.append(f"{r['case']:>7} {r['indexer_max_over_mean']:>16.3f} "
                      f"{r['attention_max_over_mean']:>18.3f}  {r['attended_keys_per_rank']}")
