@@ -75,6 +75,20 @@ def test_random_chunkings_equal_one_pass(engines, v4):
     release_all(engine, ["whole"])
 
 
+def test_triton_indexer_matches_hf(engines, v4, v4_oracle, monkeypatch):
+    """``--attention-kernel triton``: the CSA indexer scores through the Triton DSA kernel (its
+    interpreter on CPU; the one-rank engine runs in this process) over the entry slots, across a
+    second chunk."""
+    from graphcp.kernels import triton_dsa
+    calls, kernel = [], triton_dsa.indexer_scores
+    monkeypatch.setattr(triton_dsa, "indexer_scores", lambda *a: calls.append(1) or kernel(*a))
+    engine = engines.get(v4, attention_kernel="triton")
+    worst, _ = run_batches(engine, v4_oracle, v4, [[("a", A[:90]), ("b", B)], [("a", A[90:])]])
+    assert len(calls) >= 2                      # the CSA layer of each forward
+    print(f"triton indexer: worst rel err {worst:.2e}")
+    release_all(engine, ["a", "b"])
+
+
 def test_legacy_config_and_module_names_match_hf(engines, v4_legacy, v4_oracle):
     """Legacy config keys, sigmoid scoring, tied embeddings, fused experts, an MTP tensor."""
     engine = engines.get(v4_legacy)
