@@ -9,7 +9,7 @@ from graphcp.models.llama import CausalLM
 # ModelConfig.family (models/config.py ARCHITECTURES) -> model class
 FAMILIES: dict[str, type[DecoderLM]] = {
     "llama": CausalLM, "qwen2": CausalLM, "qwen3": CausalLM,
-    "deepseek_v32": DSACausalLM, "glm_moe_dsa": DSACausalLM,
+    "deepseek_v32": DSACausalLM, "glm_moe_dsa": DSACausalLM, "deepseek_v3": DSACausalLM,
 }
 
 
