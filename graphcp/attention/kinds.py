@@ -1,7 +1,8 @@
 """Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token, and
 how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
 (``ModelConfig.attention_kinds``); this table is the one place a name becomes an op and a cache layout.
-A new family adds its kind here, its op beside ``op.py``, ``dsa.py`` and ``mla.py``, and its model file."""
+A new family adds its kind here, its op beside ``op.py``, ``dsa.py`` and ``mla.py``, and its model
+file."""
 from __future__ import annotations
 
 from dataclasses import dataclass

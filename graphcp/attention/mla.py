@@ -22,7 +22,7 @@ from graphcp.profiling import nvtx_range
 
 @graph_break(host_arg="host")
 def _mla_break(args: MLAArgs, host: HostMaxima) -> torch.Tensor:
-    """Runs eagerly; a replay passes the live batch's ``host`` (its per-forward kernel workspace)."""
+    """Runs eagerly; a replay passes the live batch's ``host`` (its per-forward workspace)."""
     with nvtx_range("attention"):
         return mla_attention(args, host.workspace)
 
@@ -39,7 +39,7 @@ class MLAAttention:
         """q [T, H, nope + rope] (RoPE applied), mla_rows [T, latent + rope], kv_b this rank's heads
         of ``kv_b_proj.weight`` -> attention output [T, H, v_head_dim]."""
         meta, pool = self.meta, self.pool
-        pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
+        pool.prepare(layer_id)      # LayerSplit: a non-owned layer's prefix comes from its owner
         pool.write(layer_id, "mla", meta.gather_slots, self.ctx.all_gather(mla_rows))
         out = q.new_empty(q.shape[0], q.shape[1], self.dims.value)
         args = MLAArgs(q, pool.part(layer_id, "mla"), kv_b, meta.cu_seqlens_q,

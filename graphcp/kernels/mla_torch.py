@@ -62,17 +62,19 @@ def expanded_is_cheaper(sequences: int, max_q: int, max_kv: int, heads: int, d: 
     return expanded < absorbed
 
 
-def mla_attention(args: MLAArgs, workspace: dict | None = None, form: str | None = None) -> torch.Tensor:
+def mla_attention(args: MLAArgs, workspace: dict | None = None,
+                  form: str | None = None) -> torch.Tensor:
     """``form``: "expanded" or "absorbed" for every group; None picks per group by cost."""
     d, out, heads = args.dims, args.out, args.q.shape[1]
     out.zero_()
-    layout = per_forward(workspace, f"torch{args.page_size}", (args.cu_seqlens_q, args.page_rows, args.q_limits),
-                         lambda: sequence_layout(args.cu_seqlens_q, args.page_rows, args.q_limits, args.page_size))
+    meta = (args.cu_seqlens_q, args.page_rows, args.q_limits)
+    layout = per_forward(workspace, f"torch{args.page_size}", meta,     # shared with dense layers
+                         lambda: sequence_layout(*meta, args.page_size))
     w = args.kv_b.view(heads, d.nope + d.value, d.latent)
     for q_idx, q_valid, _, slots, mask, limits, key_pos in layout:
         expanded = (expanded_is_cheaper(*q_idx.shape, slots.shape[1], heads, d) if form is None
                     else form == "expanded")
-        kv = args.kv_pool[slots]                                              # [G, K, latent + rope]
+        kv = args.kv_pool[slots]                                         # [G, K, latent + rope]
         if expanded:
             keys, values = _expand(kv, args.kv_b, heads, d)
         else:
@@ -81,13 +83,14 @@ def mla_attention(args: MLAArgs, workspace: dict | None = None, form: str | None
             1, _SCORE_BYTES // (4 * q_idx.shape[0] * heads * slots.shape[1]))
         for c in range(0, q_idx.shape[1], step):
             qi, qv = q_idx[:, c:c + step], q_valid[:, c:c + step]
-            m = mask if mask is not None else (key_pos[None, None, :] < limits[:, c:c + step, None])[:, None]
-            q = args.q[qi]                                                    # [G, q, H, nope + rope]
+            m = mask if mask is not None else \
+                (key_pos[None, None, :] < limits[:, c:c + step, None])[:, None]
+            q = args.q[qi]                                               # [G, q, H, nope + rope]
             if not expanded:
                 q_latent = torch.einsum("gqhn,hnc->gqhc", q[..., :d.nope], w[:, :d.nope])
                 q = torch.cat([q_latent, q[..., d.nope:]], dim=-1)
             o = sdpa(q.transpose(1, 2), keys, values, attn_mask=m, scale=args.scale,
-                     enable_gqa=not expanded)                                 # [G, H, q, value or latent]
+                     enable_gqa=not expanded)                     # [G, H, q, value or latent]
             if not expanded:
                 o = torch.einsum("ghqc,hvc->ghqv", o, w[:, d.nope:])
             o = o.transpose(1, 2)[qv]

@@ -22,8 +22,8 @@ _FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq"
 
 @dataclass(frozen=True)
 class DSAConfig:
-    """MLA's fields, the indexer's (all 0 for DeepSeek-V3, which has none) and the DeepSeek MoE's."""
-    q_lora_rank: int | None            # None: one q_proj, no query LoRA (HF's DeepSeek-V3 allows it)
+    """MLA's fields, the indexer's (all 0 for DeepSeek-V3, which has none), the DeepSeek MoE's."""
+    q_lora_rank: int | None            # None: one q_proj, no query LoRA (HF's DeepSeek-V3 reads it)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int

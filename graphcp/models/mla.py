@@ -1,7 +1,7 @@
 """Multi-head latent attention (MLA), HF weight names: dense (DeepSeek-V3 / R1, Kimi-K2) or with the
 DSA lightning indexer (DeepSeek V3.2, GLM-5). Heads are split over attention TP (``q_b_proj`` /
-``q_proj``, ``kv_b_proj``, ``o_proj``); the latent projections, the cached row ``[kv_latent | k_rope]``
-and the indexer are the same on every attention-TP rank.
+``q_proj``, ``kv_b_proj``, ``o_proj``); the latent projections, the cached row
+``[kv_latent | k_rope]`` and the indexer are the same on every attention-TP rank.
 
 DSA layers use the absorbed form: each head's no-RoPE query is multiplied into the latent space by
 its slice of ``kv_b_proj`` (W_UK), so the sparse attention runs as one-KV-head MQA over the cached
@@ -107,7 +107,8 @@ class MLAttention(nn.Module):
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
-        q_nope, q_rope = q.view(t, heads, d.qk_head_dim).split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
+        q = q.view(t, heads, d.qk_head_dim)
+        q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         latent, k_rope = kv.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
