@@ -75,10 +75,7 @@ def mla_attention(args: MLAArgs, workspace: dict | None = None,
         expanded = (expanded_is_cheaper(*q_idx.shape, slots.shape[1], heads, d) if form is None
                     else form == "expanded")
         kv = args.kv_pool[slots]                                         # [G, K, latent + rope]
-        if expanded:
-            keys, values = _expand(kv, args.kv_b, heads, d)
-        else:
-            keys, values = kv[:, None], kv[:, None, :, :d.latent]              # one KV head
+        keys, values = _expand(kv, args.kv_b, heads, d) if expanded else (None, None)
         step = q_idx.shape[1] if mask is not None else max(
             1, _SCORE_BYTES // (4 * q_idx.shape[0] * heads * slots.shape[1]))
         for c in range(0, q_idx.shape[1], step):
@@ -86,16 +83,26 @@ def mla_attention(args: MLAArgs, workspace: dict | None = None,
             m = mask if mask is not None else \
                 (key_pos[None, None, :] < limits[:, c:c + step, None])[:, None]
             q = args.q[qi]                                               # [G, q, H, nope + rope]
-            if not expanded:
-                q_latent = torch.einsum("gqhn,hnc->gqhc", q[..., :d.nope], w[:, :d.nope])
-                q = torch.cat([q_latent, q[..., d.nope:]], dim=-1)
-            o = sdpa(q.transpose(1, 2), keys, values, attn_mask=m, scale=args.scale,
-                     enable_gqa=not expanded)                     # [G, H, q, value or latent]
-            if not expanded:
-                o = torch.einsum("ghqc,hvc->ghqv", o, w[:, d.nope:])
-            o = o.transpose(1, 2)[qv]
+            if expanded:
+                o = sdpa(q.transpose(1, 2), keys, values, attn_mask=m, scale=args.scale)
+            else:
+                o = _absorbed(q, kv, m, w, d, args.scale)
+            o = o.transpose(1, 2)[qv]                                    # [G, H, q, value] -> rows
             out[qi[qv]] = o if o.dtype == out.dtype else o.to(out.dtype)
     return out
+
+
+def _absorbed(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, d: MLADims,
+              scale: float) -> torch.Tensor:
+    """q [G, q, H, nope + rope] over rows kv [G, K, latent + rope] -> [G, H, q, value]. The heads
+    share the one KV head, so they are folded into the query rows of one single-head call (an MQA
+    call would repeat the keys per head)."""
+    g, n, h = q.shape[:3]
+    q_latent = torch.einsum("gqhn,hnc->ghqc", q[..., :d.nope], w[:, :d.nope])
+    q = torch.cat([q_latent, q[..., d.nope:].transpose(1, 2)], dim=-1).reshape(g, 1, h * n, -1)
+    mask = mask.expand(g, h, n, mask.shape[-1]).reshape(g, 1, h * n, -1)
+    o = sdpa(q, kv[:, None], kv[:, None, :, :d.latent], attn_mask=mask, scale=scale)
+    return torch.einsum("ghqc,hvc->ghqv", o.view(g, h, n, d.latent), w[:, d.nope:])
 
 
 def _expand(kv: torch.Tensor, kv_b: torch.Tensor, heads: int,
