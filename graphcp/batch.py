@@ -68,8 +68,10 @@ def _token_tensor(rid: str, ids: object) -> torch.Tensor:
     return tokens
 
 
-def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[list[str], list[torch.Tensor]]:
-    """Check a batch before anything is written; raise RequestError naming the first bad request."""
+def validate_requests(requests: Sequence[Request],
+                      vocab_size: int) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
+    """Check a batch before anything is written; raise RequestError naming the first bad request.
+    Returns the rids, each request's ids, and all of them concatenated (the descriptors copy that)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
     rids, ids, seen = [], [], set()
@@ -86,10 +88,11 @@ def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[lis
         ids.append(_token_tensor(rid, req.input_ids))
     # One range check for the whole batch; the per-request search runs only when it fails.
     every = torch.cat(ids)
-    if int(every.min()) < 0 or int(every.max()) >= vocab_size:
+    lo, hi = torch.aminmax(every)
+    if int(lo) < 0 or int(hi) >= vocab_size:
         for rid, tokens in zip(rids, ids):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= vocab_size:
                 bad = lo if lo < 0 else hi
                 raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return rids, ids
+    return rids, ids, every
