@@ -10,6 +10,9 @@ from typing import Callable
 
 import torch
 
+from graphcp.attention.deepseek_v4 import GRAPH_REASON as V4_REASON
+from graphcp.attention.deepseek_v4 import (V4CSAAttention, V4HCAAttention, V4SlidingAttention,
+                                           v4_export, v4_parts)
 from graphcp.attention.dsa import DSAAttention
 from graphcp.attention.mla import MLAAttention
 from graphcp.attention.op import PagedAttention
@@ -65,6 +68,13 @@ KINDS = {
                      heads_split=False),
     # Dense MLA: its torch forms need no kernel choice; PD carries its rows as a DSA layer's.
     "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False),
+    # DeepSeek V4 (attention/deepseek_v4.py): one kind per layer type, one PD kind for all three
+    "deepseek_v4_sliding": LayerKind("deepseek_v4_sliding", V4SlidingAttention, v4_parts,
+                                     v4_export, "deepseek_v4", (), V4_REASON),
+    "deepseek_v4_hca": LayerKind("deepseek_v4_hca", V4HCAAttention, v4_parts, v4_export,
+                                 "deepseek_v4", (), V4_REASON),
+    "deepseek_v4_csa": LayerKind("deepseek_v4_csa", V4CSAAttention, v4_parts, v4_export,
+                                 "deepseek_v4", ("dsa",), V4_REASON),
 }
 
 
