@@ -33,8 +33,6 @@ def config_ineligibility(args: EngineArgs, backend: str, model_reason: str | Non
         return "pp_size > 1"
     if args.dp_size > 1:
         return "dp_size > 1"
-    if args.attn_cp_size != args.tp_size:
-        return "attn_cp_size != tp_size"
     if args.cp_size > 1:
         reason = make_strategy(args.cp_strategy, args.cp_size).graph_reason
         if reason is not None:

@@ -235,9 +235,10 @@ class ModelRunner:
     @torch.inference_mode()
     def kv_cache(self, rid: str) -> dict | None:
         """This rank's part of a request's KV: its pipeline stage's layers and its attention-TP heads
-        (None when another DP group holds the request). The engine assembles the parts."""
+        (None when another DP group holds the request, or where attention-TP rank 0 holds the same
+        rows: MLA caches are not split by head). The engine assembles the parts."""
         slots = self.planner.slots(rid)
-        if slots is None:
+        if slots is None or (self.par.me.attn_tp_rank and not self.attention.heads_split):
             return None
         slots = slots.to(self.device)
         held = self.pool.held_layers(self.par.layers)       # LayerSplit: only this CP rank's layers

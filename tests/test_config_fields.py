@@ -23,8 +23,9 @@ from graphcp.models.config import _from_raw
 CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
            "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
            "Qwen3MoeConfig": "Qwen3MoeForCausalLM", "DeepseekV32Config": "DeepseekV32ForCausalLM",
-           "GlmMoeDsaConfig": "GlmMoeDsaForCausalLM"}
+           "GlmMoeDsaConfig": "GlmMoeDsaForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM"}
 DSA = ("DeepseekV32Config", "GlmMoeDsaConfig")
+MLA = DSA + ("DeepseekV3Config",)
 DENSE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 TINY = {"Qwen3Config": dict(DENSE, head_dim=32),
@@ -33,7 +34,12 @@ TINY = {"Qwen3Config": dict(DENSE, head_dim=32),
         **{c: dict(DENSE, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
                    n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
                    qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, index_topk=8,
-                   index_head_dim=32, index_n_heads=4, n_group=1, topk_group=1) for c in DSA}}
+                   index_head_dim=32, index_n_heads=4, n_group=1, topk_group=1) for c in DSA},
+        "DeepseekV3Config": dict(DENSE, num_key_value_heads=4, moe_intermediate_size=32,
+                                 n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                 kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                                 v_head_dim=24, qk_nope_head_dim=16, n_group=4, topk_group=1,
+                                 first_k_dense_replace=1)}
 
 INERT = {
     "_name_or_path": "where the checkpoint was loaded from",
@@ -57,20 +63,22 @@ INERT = {
     "num_nextn_predict_layers": "the MTP draft layers are not part of the prefill forward; "
                                 "their weights are skipped",
     "index_share_for_mtp_iteration": "the MTP layers' indexer",
+    "auto_map": "remote-code class names; graphcp serves the architecture with its own model",
 }
 INERT_FOR = {   # inert for these classes only: transformers' model ignores the field there
-    "head_dim": (DSA, "HF overwrites it with qk_rope_head_dim"),
-    "qk_head_dim": (DSA, "HF recomputes it as qk_nope_head_dim + qk_rope_head_dim"),
-    "mlp_bias": (DSA, "HF's DSA MLPs have no biases"),
+    "head_dim": (MLA, "HF overwrites it with qk_rope_head_dim"),
+    "qk_head_dim": (MLA, "HF recomputes it as qk_nope_head_dim + qk_rope_head_dim"),
+    "mlp_bias": (MLA, "HF's DeepSeek MLPs have no biases"),
+    "mlp_layer_types": (("DeepseekV3Config",), "DeepSeek-V3 reads first_k_dense_replace only"),
     "index_topk_freq": (("DeepseekV32Config",), "V3.2 runs its indexer on every layer"),
     "index_skip_topk_offset": (("DeepseekV32Config",), "V3.2 runs its indexer on every layer"),
     "index_topk_pattern": (("DeepseekV32Config",), "V3.2 runs its indexer on every layer"),
 }
 FIXED = {"scoring_func": ("sigmoid", "softmax"), "topk_method": ("noaux_tc", "greedy"),
-         "moe_layer_freq": (1, 2), "moe_router_dtype": ("float32", "bfloat16"),
-         "rope_interleave": (True, False)}
+         "moe_layer_freq": (1, 2), "moe_router_dtype": ("float32", "bfloat16")}
 FIXED_FOR = {"indexer_rope_interleave": {"DeepseekV32Config": (False, True),
-                                         "GlmMoeDsaConfig": (True, False)}}
+                                         "GlmMoeDsaConfig": (True, False)},
+             "rope_interleave": {c: (True, False) for c in DSA}}     # DeepSeek-V3 reads it
 DROP = "<drop>"            # in a context patch: leave the field out of config.json
 NO_WINDOW = dict(layer_types=None, sliding_window=64, use_sliding_window=True, max_window_layers=1)
 FREE_LAYERS = dict(mlp_layer_types=None, layer_types=None, indexer_types=None)
@@ -102,7 +110,8 @@ ALT = {
     "first_k_dense_replace": ({"mlp_layer_types": None}, 0),
     "mlp_layer_types": ({}, ["sparse", "sparse"]), "index_head_dim": ({}, 64),
     "index_n_heads": ({}, 8), "index_topk": ({}, 16), "kv_lora_rank": ({}, 64),
-    "q_lora_rank": ({}, 64), "qk_nope_head_dim": ({}, 32), "qk_rope_head_dim": ({}, 8),
+    "q_lora_rank": ({}, 64), "rope_interleave": ({}, False), "qk_nope_head_dim": ({}, 32),
+    "qk_rope_head_dim": ({}, 8),
     "v_head_dim": ({}, 32), "n_group": ({}, 2), "topk_group": ({}, 2),
     "n_routed_experts": ({}, 16), "n_shared_experts": ({}, 2), "routed_scaling_factor": ({}, 1.5),
     "indexer_types": ({}, ["full", "shared"]),
@@ -112,11 +121,13 @@ ALT = {
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-               "GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}
+               "GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32",
+               "DeepseekV3ForCausalLM": "deepseek_v3"}
 OTHER_ARCH = {"LlamaConfig": "MistralForCausalLM", "MistralConfig": "LlamaForCausalLM",
               "Qwen2Config": "Qwen3ForCausalLM", "Qwen3Config": "Qwen2ForCausalLM",
               "Qwen3MoeConfig": "Qwen3ForCausalLM", "DeepseekV32Config": "GlmMoeDsaForCausalLM",
-              "GlmMoeDsaConfig": "DeepseekV32ForCausalLM"}
+              "GlmMoeDsaConfig": "DeepseekV32ForCausalLM",
+              "DeepseekV3Config": "DeepseekV32ForCausalLM"}
 # Released config.json fields the classes do not declare, per class.
 DENSE_EXTRAS = ["rope_scaling", "rope_theta", "partial_rotary_factor",
                 "original_max_position_embeddings", "torch_dtype", "quantization_config"]
@@ -124,8 +135,11 @@ DSA_EXTRAS = DENSE_EXTRAS + list(FIXED) + [
     "indexer_rope_interleave", "num_nextn_predict_layers", "ep_size", "aux_loss_alpha", "seq_aux",
     "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern",
     "index_share_for_mtp_iteration"]
-EXTRAS = {c: DSA_EXTRAS if c in DSA else DENSE_EXTRAS + (["num_experts"] if "Moe" in c else [])
-          for c in CLASSES}
+# DeepSeek-V3 / R1 and Kimi-K2 as released (tests/mla_checkpoint.py has their config.json files).
+V3_EXTRAS = DENSE_EXTRAS + ["scoring_func", "topk_method", "moe_layer_freq", "ep_size",
+                            "aux_loss_alpha", "seq_aux", "auto_map"]
+EXTRAS = {c: DSA_EXTRAS if c in DSA else V3_EXTRAS if c == "DeepseekV3Config"
+          else DENSE_EXTRAS + (["num_experts"] if "Moe" in c else []) for c in CLASSES}
 
 
 def _config(name: str, **kwargs):  # noqa: ANN202 - a transformers config
@@ -244,11 +258,12 @@ def test_a_dropped_field_reads_as_transformers_default(name):
 
 def test_mla_norm_epsilons_are_hfs():
     """MLA's q_a / kv_a norms and the indexer's k_norm use transformers' fixed 1e-6, not
-    rms_norm_eps, in both DSA models; graphcp's too."""
+    rms_norm_eps, in the DSA models and DeepSeek-V3; graphcp's too."""
     import importlib
     import torch
     from graphcp.models.mla import MLAttention
-    for name, module in (("DeepseekV32Config", "deepseek_v32"), ("GlmMoeDsaConfig", "glm_moe_dsa")):
+    for name, module in (("DeepseekV32Config", "deepseek_v32"), ("GlmMoeDsaConfig", "glm_moe_dsa"),
+                         ("DeepseekV3Config", "deepseek_v3")):
         config = _config(name, **dict(TINY[name], rms_norm_eps=1e-2))
         attn_class = name.replace("Config", "Attention")
         theirs = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
@@ -257,4 +272,7 @@ def test_mla_norm_epsilons_are_hfs():
             ours = MLAttention(_read(_base(name) | {"rms_norm_eps": 1e-2}), 0)
         assert ours.q_a_layernorm.eps == theirs.q_a_layernorm.variance_epsilon == 1e-6
         assert ours.kv_a_layernorm.eps == theirs.kv_a_layernorm.variance_epsilon == 1e-6
-        assert ours.indexer.k_norm.eps == theirs.indexer.k_norm.eps == 1e-6
+        if name in DSA:
+            assert ours.indexer.k_norm.eps == theirs.indexer.k_norm.eps == 1e-6
+        else:
+            assert ours.indexer is None

@@ -159,15 +159,25 @@ def test_cp4_interleave_matches_hf(engines, dsa_oracle, glm5):
 
 
 def test_dsa_flags(v32):
-    """DSA needs interleave, DP 1 and attention TP 1; the error names the flag."""
+    """DSA needs interleave, DP 1, and under CP attention TP 1; the error names the flag."""
     with pytest.raises(ConfigError, match="--cp-strategy"):
         Engine(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, enable_prefill_cp=True,
                           cp_strategy="zigzag", max_total_tokens=1024))
     with pytest.raises(ConfigError, match="--dp"):
         check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, dp_size=2))
-    with pytest.raises(ConfigError, match="attention TP 1"):
-        check_dsa_flags(EngineArgs(model_path=v32, tp_size=2))
+    with pytest.raises(ConfigError, match="under CP need attention TP 1"):
+        check_dsa_flags(EngineArgs(model_path=v32, tp_size=4, attn_cp_size=2, **INTERLEAVE))
     check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, **INTERLEAVE))
+    check_dsa_flags(EngineArgs(model_path=v32, tp_size=2))          # heads over attention TP
+
+
+def test_attention_tp2_matches_hf(engines, dsa_oracle, glm5):
+    """--tp 2 without CP: MLA heads split over the ranks; the indexer (with GLM-5's shared layer)
+    and the cached rows are the same on both, so kv_cache is rank 0's."""
+    engine = engines.get(glm5, tp_size=2)
+    _check(engine, dsa_oracle, glm5, [FIRST, SECOND])
+    one = engines.get(glm5).stats()["weight_bytes"]
+    assert max(engine.stats()["weight_bytes_per_rank"]) < 0.7 * one
 
 
 @pytest.mark.parametrize("dtype,wide", [(torch.float32, False), (torch.bfloat16, False),

@@ -35,7 +35,6 @@ def test_select_bucket_cases():
     (dict(disable_cuda_graph=True), "disabled"),
     (dict(pp_size=2), "pp_size > 1"),
     (dict(dp_size=2), "dp_size > 1"),
-    (dict(tp_size=4), "attn_cp_size != tp_size"),
     (dict(cp_strategy="interleave"), "interleave"),
     (dict(backend="flashattention"), "flashattention"),
     (dict(backend="torch"), "torch"),
@@ -47,6 +46,15 @@ def test_config_ineligibility_reasons(change, reason):
     args = SimpleNamespace(**base)
     assert config_ineligibility(args, "trtllm_mha") is None if not change else True
     assert reason in config_ineligibility(args, base["backend"])
+
+
+def test_attention_tp_inside_cp_is_eligible():
+    """CP 2 x attention TP 2 (the seed's --tp 4 --attn-cp-size 2) and attention TP alone replay
+    graphs: attention TP is a head split plus collectives, which are breaks where not captured."""
+    for tp, cp in ((4, 2), (2, 1)):
+        args = SimpleNamespace(disable_cuda_graph=False, pp_size=1, dp_size=1, tp_size=tp,
+                               attn_cp_size=cp, cp_size=cp, cp_strategy="zigzag")
+        assert config_ineligibility(args, "trtllm_mha") is None
 
 
 def test_single_rank_is_graphed_too():

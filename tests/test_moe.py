@@ -14,7 +14,7 @@ from graphcp import ConfigError, Engine, EngineArgs, Request
 from graphcp.models import load_model, read_model_config
 from graphcp.models.moe import EPInfo, _experts_torch
 from hf_reference import make_checkpoint, rel_err
-from parity import Session, random_ids
+from parity import Session, graph_and_eager, random_ids
 
 VOCAB = 211
 FIRST = [("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2)),
@@ -23,7 +23,7 @@ SECOND = [("b", random_ids(12, VOCAB, 4)), ("d", random_ids(30, VOCAB, 5))]  # 4
 CP2_EP2 = dict(tp_size=2, ep_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag",
                cuda_graph_buckets=[32, 64])
 TP4_EP4_CP2 = dict(tp_size=4, ep_size=4, attn_cp_size=2, enable_prefill_cp=True,
-                   cp_strategy="zigzag", moe_a2a_backend="all_to_all")
+                   cp_strategy="zigzag", moe_a2a_backend="all_to_all", cuda_graph_buckets=[64])
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +138,21 @@ def test_expert_tp2_matches_hf(moe8, engines, oracle):
 
 
 def test_tp4_ep4_attention_tp2_matches_hf(moe8, engines, oracle):
-    """Attention TP 2 inside CP 2; the all-to-all dispatches each attention-TP group's rows once."""
+    """The seed's layout, attention TP 2 inside CP 2, in graphs from its first batch (buckets per
+    CP rank; the attention-TP collectives are breaks on gloo); the all-to-all dispatches each
+    attention-TP group's rows once. Graph equals eager."""
     engine = engines.get(moe8, **TP4_EP4_CP2)
     s = Session(engine, oracle, moe8)
     sent = sum(_pairs_sent(engine))
-    s.run(FIRST)        # zigzag padding rows on every rank
-    s.run(SECOND)       # a chunked second prefill of "b", and a new rid
+    out = s.run(FIRST)  # zigzag padding rows on every rank
+    assert out.mode == "graph" and out.graph_bucket == 64 and out.cp_applied, out.eager_reason
+    s.run(SECOND)       # a chunked second prefill of "b", and a new rid (eager: 24 rows pad 64)
     assert sum(_pairs_sent(engine)) - sent == (66 + 42) * 3 * 2
     s.release_all()
+    batch = [Request("g", random_ids(40, VOCAB, 9)), Request("h", random_ids(30, VOCAB, 10))]
+    graph, eager = graph_and_eager(engine, batch)
+    assert graph.mode == "graph" and eager.mode == "eager"
+    assert rel_err(graph.logits, eager.logits) <= 1e-6
 
 
 def test_each_rank_loads_only_its_experts(moe6):

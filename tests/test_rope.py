@@ -125,12 +125,14 @@ def test_tables_equal_hf_rotary(tmp_path, arch, case):
 
 @pytest.mark.parametrize("case", ["default", "linear_legacy_type", "dynamic", "llama3",
                                   "yarn_deepseek_mscale", "yarn_untruncated_attention_factor"])
-@pytest.mark.parametrize("arch", ["DeepseekV32", "GlmMoeDsa"])
+@pytest.mark.parametrize("arch", ["DeepseekV32", "GlmMoeDsa", "DeepseekV3"])
 def test_dsa_tables_and_softmax_scale_equal_hf(tmp_path, arch, case):
-    """HF's DSA rotary calls the same rope functions; MLA's softmax scale takes mscale_all_dim^2."""
+    """HF's MLA rotary modules (DSA and DeepSeek-V3) call the same rope functions; MLA's softmax
+    scale takes mscale_all_dim^2."""
     import importlib
     import transformers
-    module = {"DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa"}[arch]
+    module = {"DeepseekV32": "deepseek_v32", "GlmMoeDsa": "glm_moe_dsa",
+              "DeepseekV3": "deepseek_v3"}[arch]
     hf_config = getattr(transformers, f"{arch}Config")(**DSA_TINY)
     path = _write_config(str(tmp_path / case), hf_config, rope_cases(16)[case])
     rotary, config = _hf_rotary(path, f"{arch}RotaryEmbedding", module)

@@ -1,7 +1,8 @@
 """Attention: the layer kinds (``kinds.py``: op, cache parts, export), their per-forward ops (``op.py``
-dense GQA, ``dsa.py`` MLA with the DSA indexer), and ``build``: the kernels every op uses, chosen once
-at start. Layers call ``current_attention()(layer_id, queries, *new cache rows, **extras)``; ``LayerOps``
-hands each call to the op of that layer's kind."""
+dense GQA, ``dsa.py`` MLA with the DSA indexer, ``mla.py`` dense MLA), and ``build``: the kernels
+every op uses, chosen once at start. Layers call
+``current_attention()(layer_id, queries, *new cache rows, **extras)``; ``LayerOps`` hands each call
+to the op of that layer's kind."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ class AttentionBackend:
     @property
     def kernel_name(self) -> str:
         return self.kernels.attention.name
+
+    @property
+    def heads_split(self) -> bool:
+        """Attention-TP ranks cache different heads (else every one holds the same rows)."""
+        return all(k.heads_split for k in self.kinds.values())
 
     @property
     def graph_reason(self) -> str | None:

@@ -1,7 +1,8 @@
 """Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token, and
 how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
 (``ModelConfig.attention_kinds``); this table is the one place a name becomes an op and a cache layout.
-A new family adds its kind here, its op beside ``op.py`` and ``dsa.py``, and its model file."""
+A new family adds its kind here, its op beside ``op.py``, ``dsa.py`` and ``mla.py``, and its model
+file."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from graphcp.attention.deepseek_v4 import GRAPH_REASON as V4_REASON
 from graphcp.attention.deepseek_v4 import (V4CSAAttention, V4HCAAttention, V4SlidingAttention,
                                            v4_export, v4_parts)
 from graphcp.attention.dsa import DSAAttention
+from graphcp.attention.mla import MLAAttention
 from graphcp.attention.op import PagedAttention
 from graphcp.errors import ConfigError
 from graphcp.kv.cache import CachePart, LayerParts
@@ -28,6 +30,7 @@ class LayerKind:
     pd_kind: str                                                   # the name PD destinations carry
     kernels: tuple[str, ...]                                       # the kernel ops its op runs
     graph_reason: str | None = None                                # why its layers run eagerly
+    heads_split: bool = True        # attention-TP ranks cache their own heads (else the same rows)
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -42,9 +45,11 @@ def _gqa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
 
 
 def _dsa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
+    """The MLA row, shared by every head (so by every attention-TP rank), and the indexer keys on
+    an indexed layer (not DeepSeek-V3's, nor a GLM-5 "shared" one that reuses the top-k before)."""
     d = cfg.dsa
     mla = CachePart("mla", (d.kv_lora_rank + d.qk_rope_head_dim,))
-    if d.shared_indexer[layer]:        # GLM-5 "shared": reuses the previous layer's top-k, no indexer keys
+    if not d.indexed(layer):
         return (mla,)
     return mla, CachePart("index_k", (d.index_head_dim,))
 
@@ -59,7 +64,10 @@ def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
 KINDS = {
     "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
-                     "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"),
+                     "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)",
+                     heads_split=False),
+    # Dense MLA: its torch forms need no kernel choice; PD carries its rows as a DSA layer's.
+    "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False),
     # DeepSeek V4 (attention/deepseek_v4.py): one kind per layer type, one PD kind for all three
     "deepseek_v4_sliding": LayerKind("deepseek_v4_sliding", V4SlidingAttention, v4_parts,
                                      v4_export, "deepseek_v4", (), V4_REASON),

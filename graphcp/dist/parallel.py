@@ -74,11 +74,12 @@ class RankParallel:
         return int(t.item())
 
     def all_ranks_agree(self, ok: bool) -> bool:
-        """All-rank AND over the CP group (graph capture keeps the same buckets on every rank)."""
-        if self.comm is None:
+        """All-rank AND over the TP world, CP and attention-TP ranks alike (graph capture keeps the
+        same buckets on every rank that meets in a collective)."""
+        if self.groups.tp is None:
             return ok
         flag = torch.tensor([0 if ok else 1], dtype=torch.long, device=self.device)
-        all_reduce(flag, self.comm.group)
+        all_reduce(flag, self.groups.tp)
         return int(flag.item()) == 0
 
 

@@ -48,7 +48,7 @@ def _group_sequences(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
     return [order[:split], order[split:]]
 
 
-def _sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+def sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
                      page_size: int) -> list[tuple]:
     """Layer-independent gather indices per group of sequences: padded query rows, KV slots, causal mask."""
     dev = cu_seqlens_q.device
@@ -87,7 +87,7 @@ def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     if max_q == 0 or max_kv == 0:
         return out
     layout = per_forward(workspace, f"torch{page_size}", (cu_seqlens_q, page_rows, q_limits),
-                         lambda: _sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
+                         lambda: sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
     for q_idx, q_valid, rows, slots, mask, limits, key_pos in layout:
         k, v = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)
         if mask is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from graphcp.errors import ConfigError
 from graphcp.models.deepseek_v4_config import (V4_ARCHITECTURES, DeepseekV4Config,
                                                v4_attention_kinds, v4_fields)
-from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
+from graphcp.models.dsa_config import MLA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
 from graphcp.models.rope import DEFAULT_THETA, read_rope, rope_positions
 
@@ -18,13 +18,14 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
-    **DSA_ARCHITECTURES,
+    **MLA_ARCHITECTURES,
     **V4_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
+                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                "deepseek_v4": "DeepseekV4ForCausalLM"}
 # transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
 # another fallback (tests/test_config_fields.py checks every field against the classes).
 _QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
@@ -38,6 +39,8 @@ _HF_DEFAULTS = {
                                 num_experts_per_tok=8, moe_intermediate_size=768),
     "DeepseekV32ForCausalLM": dict(max_position_embeddings=163840, routed_scaling_factor=2.5,
                                    n_shared_experts=1, n_group=8, topk_group=4),
+    "DeepseekV3ForCausalLM": dict(max_position_embeddings=4096, routed_scaling_factor=2.5,
+                                  n_shared_experts=1, n_group=8, topk_group=4, q_lora_rank=1536),
     "GlmMoeDsaForCausalLM": dict(max_position_embeddings=202752, rms_norm_eps=1e-5,
                                  routed_scaling_factor=2.5, n_shared_experts=1, n_group=1,
                                  topk_group=1),
@@ -77,7 +80,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
-    dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
+    dsa: DSAConfig | None = None        # MLA models (DSA: with the lightning indexer; models/dsa_config.py)
     v4: DeepseekV4Config | None = None  # DeepSeek V4 (models/deepseek_v4_config.py)
     attention_kinds: tuple[str, ...] = ()   # per layer: the attention kind (graphcp/attention/kinds.py)
 
@@ -139,7 +142,7 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         raise ConfigError(f"--model-path: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
     # DSA: RoPE covers the decoupled rope part only (HF overwrites head_dim with it)
-    dsa = arch in DSA_ARCHITECTURES
+    dsa = arch in MLA_ARCHITECTURES
     head_dim = raw.get("qk_rope_head_dim") if dsa else raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
         name = "qk_rope_head_dim" if dsa else "head_dim"
@@ -167,7 +170,7 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     )
     if arch == "Qwen3MoeForCausalLM":
         cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
-    if arch in DSA_ARCHITECTURES:
+    if arch in MLA_ARCHITECTURES:
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
     theta, scaling = read_rope(raw, cfg.head_dim, cfg.max_position_embeddings)
     cfg = replace(cfg, rope_theta=theta, rope_scaling=scaling)
@@ -175,7 +178,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         raise ConfigError(f"--model-path: {source} gives {cfg.max_positions} positions "
                           "(max_position_embeddings and the rope scaling); the limit is "
                           f"{LIMITS['max_position_embeddings']}")
-    cfg = replace(cfg, attention_kinds=("dsa" if cfg.dsa is not None else "gqa",) * cfg.num_hidden_layers)
+    kind = "gqa" if cfg.dsa is None else "dsa" if cfg.dsa.index_topk else "mla"
+    cfg = replace(cfg, attention_kinds=(kind,) * cfg.num_hidden_layers)
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
@@ -190,7 +194,7 @@ def _expert_count(raw: dict, arch: str) -> dict:
     for DSA models ``num_experts`` over ``num_local_experts`` over ``n_routed_experts``."""
     if arch == "Qwen3MoeForCausalLM":
         names, key = ("num_local_experts", "num_experts"), "num_experts"
-    elif arch in DSA_ARCHITECTURES:
+    elif arch in MLA_ARCHITECTURES:
         names, key = ("num_experts", "num_local_experts", "n_routed_experts"), "n_routed_experts"
     else:
         return raw

@@ -1,8 +1,8 @@
-"""DSA causal LMs: DeepSeek V3.2 (``DeepseekV32ForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``), HF
-weight names, on the shared decoder (``models/decoder.py``): MLA + lightning indexer attention
-(``models/mla.py``), a dense FFN on the first layers and DeepSeek MoE on the others. Attention is not split
-over TP (DSA needs attention TP 1); the dense FFN and the experts split over the TP world / EP as for the
-llama family.
+"""MLA causal LMs: DeepSeek-V3 / R1 and Kimi-K2 (``DeepseekV3ForCausalLM``), and the DSA ones, DeepSeek
+V3.2 (``DeepseekV32ForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``), HF weight names, on the shared
+decoder (``models/decoder.py``): MLA attention, with the lightning indexer for DSA (``models/mla.py``),
+a dense FFN on the first layers and DeepSeek MoE on the others. Heads and the vocabulary split over
+attention TP; the dense FFN and the experts over the TP world / EP as for the llama family.
 """
 from __future__ import annotations
 
@@ -19,21 +19,20 @@ from graphcp.models.parallel import TPInfo
 
 
 class DSACausalLM(DecoderLM):
-    """One pipeline stage holding every layer, attention TP 1."""
+    """One pipeline stage holding every layer."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
                  ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
-        split_stage = layers is not None and len(layers) != cfg.num_hidden_layers
-        if (tp is not None and tp.size > 1) or split_stage:
-            raise ValueError("DSA models run with attention TP 1 and one pipeline stage")
-        super().__init__(cfg, TPInfo(), None, ffn_tp, ep)
+        if layers is not None and len(layers) != cfg.num_hidden_layers:
+            raise ValueError("MLA models run on one pipeline stage")
+        super().__init__(cfg, tp, None, ffn_tp, ep)
 
     def make_rotary(self, cfg: ModelConfig) -> DSARotary:
         return DSARotary(cfg)        # over qk_rope_head_dim (the config's head_dim)
 
     def make_layer(self, cfg: ModelConfig, layer: int, tp: TPInfo, ffn_tp: TPInfo, ep: EPInfo) -> DecoderLayer:
         mlp = DeepseekMoE(cfg, ep, ffn_tp) if layer in cfg.moe_layers else GatedMLP(cfg, ffn_tp)
-        return DecoderLayer(cfg, MLAttention(cfg, layer), mlp)
+        return DecoderLayer(cfg, MLAttention(cfg, layer, tp), mlp)
 
     def position_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables at this rank's positions, gathered once for every layer."""

@@ -1,5 +1,6 @@
-"""The config.json fields of the DSA models (DeepSeek V3.2, GLM-5): MLA, the lightning indexer
-and the DeepSeek MoE, read as transformers 5 reads them, and the flags DSA allows."""
+"""The config.json fields of the DeepSeek-style models: MLA (DeepSeek-V3 / R1, Kimi-K2), MLA with
+the DSA lightning indexer (DeepSeek V3.2, GLM-5) and the DeepSeek MoE, read as transformers 5 reads
+them, and the flags these models allow."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,16 +10,20 @@ from graphcp.errors import ConfigError
 
 DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32",
                      "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+# Every architecture whose attention is MLA (``ModelConfig.dsa``); DeepSeek-V3 has no indexer.
+MLA_ARCHITECTURES = {**DSA_ARCHITECTURES, "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Released config.json fields that transformers never reads: it runs exactly these values (sigmoid
 # router with the score-correction bias, fp32 router, MoE on every layer past the dense ones,
-# interleaved MLA RoPE), and so does graphcp. Any other value is refused, not silently replaced.
+# interleaved MLA RoPE but in DeepSeek-V3, which reads it), and so does graphcp. Any other value
+# is refused, not silently replaced.
 _FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
           "moe_router_dtype": "float32", "rope_interleave": True}
 
 
 @dataclass(frozen=True)
 class DSAConfig:
-    q_lora_rank: int
+    """MLA's fields, the indexer's (all 0 for DeepSeek-V3, which has none), the DeepSeek MoE's."""
+    q_lora_rank: int | None            # None: one q_proj, no query LoRA (HF's DeepSeek-V3 reads it)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -33,42 +38,52 @@ class DSAConfig:
     topk_group: int
     routed_scaling_factor: float
     n_shared_experts: int
+    rope_interleave: bool = True       # MLA's RoPE pairwise (DeepSeek), else half-split
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def indexed(self, layer: int) -> bool:
+        """Does ``layer`` run its own indexer (DSA, not a GLM "shared" layer)?"""
+        return self.index_topk > 0 and not self.shared_indexer[layer]
+
 
 def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]) -> dict:
-    """ModelConfig fields of a DSA model: its MLA/indexer config and its MoE layers."""
-    glm = arch == "GlmMoeDsaForCausalLM"
+    """ModelConfig fields of an MLA model: its MLA (and indexer) config and its MoE layers."""
+    glm, v3 = arch == "GlmMoeDsaForCausalLM", arch == "DeepseekV3ForCausalLM"
     # HF rotates GLM-5's indexer interleaved and V3.2's half-split, whatever the field says.
-    for key, value in {**_FIXED, "indexer_rope_interleave": glm}.items():
+    fixed = {k: v for k, v in _FIXED.items() if not (v3 and k == "rope_interleave")}
+    for key, value in (fixed if v3 else {**fixed, "indexer_rope_interleave": glm}).items():
         if key in raw and raw[key] != value:
             raise ConfigError(f"--model-path: {key}={raw[key]!r} is not supported: transformers "
                               f"and graphcp run {arch} with {key}={value!r}")
     layer_types = raw.get("layer_types")
-    if layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
+    if not v3 and layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
         raise ConfigError(f"--model-path: layer_types={layer_types!r} is not supported: every "
                           "layer of a DSA model is 'indexed_attention'")
     for key in ("num_key_value_heads",):
         if raw.get(key, raw["num_attention_heads"]) != raw["num_attention_heads"]:
             raise ConfigError(f"--model-path: MLA needs num_key_value_heads == "
                               f"num_attention_heads, got {raw.get(key)}")
-    if raw.get("q_lora_rank") is None:
+    if raw.get("q_lora_rank") is None and not v3:
         raise ConfigError("--model-path: DSA models need q_lora_rank (MLA with a query LoRA)")
+    interleave = raw.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise ConfigError(f"--model-path: rope_interleave={interleave!r} must be true or false")
+    index = (0, 0, 0) if v3 else (need("index_n_heads"), need("index_head_dim"), need("index_topk"))
     dsa = DSAConfig(
-        q_lora_rank=need("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"),
+        q_lora_rank=None if raw.get("q_lora_rank") is None else need("q_lora_rank"),
+        kv_lora_rank=need("kv_lora_rank"),
         qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
-        v_head_dim=need("v_head_dim"), index_n_heads=need("index_n_heads"),
-        index_head_dim=need("index_head_dim"), index_topk=need("index_topk"),
-        indexer_rope_interleaved=glm,
+        v_head_dim=need("v_head_dim"), index_n_heads=index[0], index_head_dim=index[1],
+        index_topk=index[2], indexer_rope_interleaved=glm,
         shared_indexer=_shared_indexer(raw, arch, num_layers),
         attention_bias=bool(raw.get("attention_bias", False)),
         n_group=need("n_group"), topk_group=need("topk_group"),
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        n_shared_experts=int(raw.get("n_shared_experts") or 0))
-    if dsa.qk_rope_head_dim % 2 or dsa.qk_rope_head_dim > dsa.index_head_dim:
+        n_shared_experts=int(raw.get("n_shared_experts") or 0), rope_interleave=interleave)
+    if dsa.qk_rope_head_dim % 2 or (not v3 and dsa.qk_rope_head_dim > dsa.index_head_dim):
         raise ConfigError(f"--model-path: qk_rope_head_dim={dsa.qk_rope_head_dim} must be even and "
                           f"at most index_head_dim={dsa.index_head_dim}")
     experts = need("n_routed_experts")
@@ -80,17 +95,23 @@ def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]
     if top_k > experts:
         raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds "
                           f"n_routed_experts={experts}")
+    # DeepSeek-V3's HF model reads first_k_dense_replace only (no mlp_layer_types there).
+    moe_raw = {k: v for k, v in raw.items() if not (v3 and k == "mlp_layer_types")}
     return dict(dsa=dsa, num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=need("moe_intermediate_size"),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-                moe_layers=_moe_layers(raw, num_layers))
+                moe_layers=_moe_layers(moe_raw, num_layers))
 
 
 def _moe_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
     """``mlp_layer_types`` where given, else the first ``first_k_dense_replace`` layers dense."""
     types = raw.get("mlp_layer_types")
     if types is None:
-        dense = min(int(raw.get("first_k_dense_replace", 3)), num_layers)
+        dense = raw.get("first_k_dense_replace", 3)
+        if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+            raise ConfigError(f"--model-path: first_k_dense_replace={dense!r} must be an integer "
+                              ">= 0")
+        dense = min(dense, num_layers)
         types = ["dense"] * dense + ["sparse"] * (num_layers - dense)
     if len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
         raise ConfigError(f"--model-path: mlp_layer_types={types!r} must give 'dense' or 'sparse' "
@@ -129,14 +150,32 @@ def _shared_indexer(raw: dict, arch: str, num_layers: int) -> tuple[bool, ...]:
 
 
 def check_dsa_flags(args) -> None:
-    """DSA shards queries by interleave only, without DP or attention TP (as SGLang)."""
+    """DSA shards queries by interleave only, without DP; attention TP splits the heads without
+    CP (under CP, attention TP is 1: --tp equal to --attn-cp-size, as SGLang)."""
     if args.cp_size > 1 and args.cp_strategy != "interleave":
         raise ConfigError(f"--cp-strategy {args.cp_strategy}: DSA models need --cp-strategy "
                           "interleave")
+    if args.cp_size > 1 and args.attn_tp_size > 1:
+        raise ConfigError(f"--tp {args.tp_size}: DSA models under CP need attention TP 1 (--tp "
+                          "equal to --dp x --attn-cp-size)")
+    _check_mla_flags(args, "DSA")
+
+
+def check_mla_flags(args) -> None:
+    """DeepSeek-V3 / Kimi-K2: either layout, heads over attention TP; its attention runs the torch
+    forms (``kernels/mla_torch.py``), so another --attention-kernel is refused."""
+    if args.attention_kernel not in ("auto", "torch"):
+        raise ConfigError(f"--attention-kernel {args.attention_kernel}: MLA models run the torch "
+                          "attention forms (auto or torch)")
+    _check_mla_flags(args, "MLA")
+
+
+def _check_mla_flags(args, family: str) -> None:  # noqa: ANN001
     if args.dp_size > 1:
-        raise ConfigError(f"--dp {args.dp_size}: DSA models need --dp 1")
-    if args.attn_tp_size > 1:
-        raise ConfigError(f"--tp {args.tp_size}: DSA models need attention TP 1 (--tp equal to "
-                          "--dp x --attn-cp-size)")
+        raise ConfigError(f"--dp {args.dp_size}: {family} models need --dp 1")
     if args.pp_size > 1:
-        raise ConfigError(f"--pp {args.pp_size}: DSA models need --pp 1")
+        raise ConfigError(f"--pp {args.pp_size}: {family} models need --pp 1")
+    # Attention-TP ranks hold the same MLA rows; a PD sender sends heads per rank.
+    if args.attn_tp_size > 1 and args.disaggregation_mode == "prefill":
+        raise ConfigError(f"--disaggregation-mode prefill: {family} models send their cache with "
+                          f"attention TP 1 (--tp {args.tp_size} splits the heads)")

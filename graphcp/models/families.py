@@ -12,7 +12,8 @@ from graphcp.models.llama import CausalLM
 # hyper-connected decoder with the same interface (forward, compute_logits, fuse_projections, ...)
 FAMILIES: dict[str, type[nn.Module]] = {
     "llama": CausalLM, "qwen2": CausalLM, "qwen3": CausalLM,
-    "deepseek_v32": DSACausalLM, "glm_moe_dsa": DSACausalLM, "deepseek_v4": DeepseekV4CausalLM,
+    "deepseek_v32": DSACausalLM, "glm_moe_dsa": DSACausalLM, "deepseek_v3": DSACausalLM,
+    "deepseek_v4": DeepseekV4CausalLM,
 }
 
 

@@ -1,11 +1,13 @@
-"""Multi-head latent attention (MLA) with the DSA lightning indexer, HF weight names (DeepSeek V3.2,
-GLM-5).
+"""Multi-head latent attention (MLA), HF weight names: dense (DeepSeek-V3 / R1, Kimi-K2) or with the
+DSA lightning indexer (DeepSeek V3.2, GLM-5). Heads are split over attention TP (``q_b_proj`` /
+``q_proj``, ``kv_b_proj``, ``o_proj``); the latent projections, the cached row
+``[kv_latent | k_rope]`` and the indexer are the same on every attention-TP rank.
 
-Absorbed form: each head's no-RoPE query is multiplied into the latent space by its slice of
-``kv_b_proj`` (W_UK), so attention runs as one-KV-head MQA over the cached rows
-``[kv_latent | k_rope]`` and returns latent outputs, which W_UV maps to each head's values. Keys and
-values are never expanded per head, and the cache holds exactly what HF caches. The attention op
-(forward context) writes the cache, runs the indexer's top-k and the sparse attention.
+DSA layers use the absorbed form: each head's no-RoPE query is multiplied into the latent space by
+its slice of ``kv_b_proj`` (W_UK), so the sparse attention runs as one-KV-head MQA over the cached
+rows and returns latent outputs, which W_UV maps to each head's values. Dense MLA layers hand the op
+the full queries and ``kv_b_proj``; it picks the absorbed or the expanded form per batch
+(``kernels/mla_torch.py``). Either way the cache holds exactly what HF caches.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 from graphcp.forward_context import current_attention
 from graphcp.models.config import ModelConfig
 from graphcp.models.layers import RMSNorm, rope_torch
+from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,22 +72,29 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo | None = None) -> None:
         super().__init__()
-        d = cfg.dsa
-        self.layer_id, self.num_heads, self.d = layer_id, cfg.num_attention_heads, d
+        d, tp = cfg.dsa, tp or TPInfo()
+        self.layer_id, self.num_heads, self.d = layer_id, cfg.num_attention_heads // tp.size, d
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-        self.q_a_proj = nn.Linear(hidden, d.q_lora_rank, bias=d.attention_bias)
-        self.q_a_layernorm = RMSNorm(d.q_lora_rank, 1e-6)
-        self.q_b_proj = nn.Linear(d.q_lora_rank, heads * d.qk_head_dim, bias=False)
+        if d.q_lora_rank is None:           # DeepSeek-V3 without a query LoRA
+            self.q_proj = ColumnLinear(hidden, heads * d.qk_head_dim, False, tp, unit=d.qk_head_dim)
+        else:
+            self.q_a_proj = nn.Linear(hidden, d.q_lora_rank, bias=d.attention_bias)
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, 1e-6)
+            self.q_b_proj = ColumnLinear(d.q_lora_rank, heads * d.qk_head_dim, False, tp,
+                                         unit=d.qk_head_dim)
         latent = d.kv_lora_rank
         rope, bias = d.qk_rope_head_dim, d.attention_bias
         self.kv_a_proj_with_mqa = nn.Linear(hidden, latent + rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(latent, heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * d.v_head_dim, hidden, bias=d.attention_bias)
+        unit = d.qk_nope_head_dim + d.v_head_dim
+        self.kv_b_proj = ColumnLinear(latent, heads * unit, False, tp, unit=unit)
+        self.o_proj = RowLinear(heads * d.v_head_dim, hidden, tp, unit=d.v_head_dim, bias=bias)
+        self.sparse = d.index_topk > 0       # DSA: the indexer's top-k selects the keys
         # GLM "shared" layers have no indexer: they reuse the previous layer's top-k.
-        self.indexer = None if d.shared_indexer[layer_id] else Indexer(cfg)
+        self.indexer = Indexer(cfg) if d.indexed(layer_id) else None
+        self.rope = rope_interleaved if d.rope_interleave else rope_torch
 
     def fuse(self) -> None:
         """Nothing to fuse: the absorbed W_UK / W_UV are views of ``kv_b_proj`` taken per call."""
@@ -92,19 +102,27 @@ class MLAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``rope``: the (cos, sin) tables at this rank's positions."""
         (cos, sin), d, t, heads = rope, self.d, x.shape[0], self.num_heads
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(t, heads, d.qk_head_dim)
+        if d.q_lora_rank is None:
+            q_resid, q = None, self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q = q.view(t, heads, d.qk_head_dim)
         q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         latent, k_rope = kv.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_rope = rope_interleaved(q_rope, cos[:, None], sin[:, None])
-        k_rope = rope_interleaved(k_rope, cos, sin)
+        q_rope = self.rope(q_rope, cos[:, None], sin[:, None])
+        rows = torch.cat([latent, self.rope(k_rope, cos, sin)], dim=-1)
+        if not self.sparse:
+            query = torch.cat([q_nope, q_rope], dim=-1)
+            out = current_attention()(self.layer_id, query, rows, self.kv_b_proj.weight)
+            return self.o_proj(out.reshape(t, heads * d.v_head_dim))
         w = self.kv_b_proj.weight.view(heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         w_uk, w_uv = w[:, :d.qk_nope_head_dim], w[:, d.qk_nope_head_dim:]
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, C]
         index = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else None
         query = torch.cat([q_latent, q_rope], dim=-1)
-        out = current_attention()(self.layer_id, query, torch.cat([latent, k_rope], dim=-1), index)
+        out = current_attention()(self.layer_id, query, rows, index)
         out = torch.matmul(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, V]
         return self.o_proj(out.reshape(t, heads * d.v_head_dim))

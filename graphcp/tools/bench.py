@@ -155,7 +155,7 @@ def run(argv: list[str]) -> int:
           f"page allocation {prep['tensor']['allocate_us']:.0f} us")
     report["host_prep_us"] = prep["host_prep_us"]
     model_cfg = read_model_config(args.model_path)
-    if model_cfg.dsa is not None:    # the indexer's and sparse attention's work per rank
+    if model_cfg.dsa is not None and model_cfg.dsa.index_topk:   # DSA: indexer and sparse work per rank
         table, report["dsa_balance"] = dsa_table(cases, balance_cp, model_cfg.dsa.index_topk)
         print(table)
     if model_cfg.v4 is not None:     # the same for DeepSeek V4's CSA indexers and all layers' keys
