@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from graphcp.errors import ConfigError
 from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
+from graphcp.models.hybrid_config import (HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES, HybridConfig,
+                                          hybrid_fields)
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -16,11 +18,12 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
     **DSA_ARCHITECTURES,
+    **HYBRID_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-                "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+                "glm_moe_dsa": "GlmMoeDsaForCausalLM", **HYBRID_MODEL_TYPES}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
           "num_attention_heads": 1024, "num_experts": 4096,
@@ -30,7 +33,7 @@ LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512,
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    family: str                  # llama | qwen2 | qwen3
+    family: str                  # llama | qwen2 | qwen3 | deepseek_v32 | glm_moe_dsa | hybrid
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -56,6 +59,7 @@ class ModelConfig:
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
+    hybrid: HybridConfig | None = None  # Gated DeltaNet + gated attention (models/hybrid_config.py)
 
     @property
     def q_size(self) -> int:
@@ -86,6 +90,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         raise ConfigError(f"--model-path: architecture {arch or raw.get('model_type')!r} is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
+    if arch == "Qwen3_5MoeForCausalLM":     # every layer is MoE: no dense FFN size of its own
+        raw.setdefault("intermediate_size", raw.get("moe_intermediate_size"))
 
     def need(key: str) -> int:
         if key not in raw or not isinstance(raw[key], int) or raw[key] < 1:
@@ -125,15 +131,21 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
         qk_norm=family == "qwen3",
-        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        o_bias=attention_bias and (family == "hybrid" or arch in (
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
         fp8_block=fp8_block, fp8_skip=fp8_skip,
     )
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):
         # transformers 5 writes the expert count as num_local_experts; released checkpoints say num_experts.
         raw.setdefault("num_experts", raw.get("num_local_experts"))
-        cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
+        if arch == "Qwen3_5MoeForCausalLM":       # its router always renormalises the top-k
+            raw = {**raw, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        if arch != "Qwen3NextForCausalLM" or raw.get("num_experts"):
+            cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
+    if family == "hybrid":
+        cfg = replace(cfg, hybrid=hybrid_fields(raw, arch, cfg.num_hidden_layers, head_dim, need))
     if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
         cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)

@@ -20,6 +20,7 @@ from graphcp.models.gguf import GGUFTensors, is_gguf
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
 from graphcp.models.parallel import TPInfo
+from graphcp.models.qwen3_next import HybridCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -52,7 +53,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     cfg = read_model_config(model_path)
     reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
     names = set(reader.shapes)
-    model_class = DSACausalLM if cfg.dsa is not None else CausalLM
+    model_class = (DSACausalLM if cfg.dsa is not None else HybridCausalLM if cfg.hybrid is not None
+                   else CausalLM)
     with torch.device("meta"):
         full = model_class(cfg)
         model = model_class(cfg, tp, layers, ffn_tp, ep)
@@ -181,8 +183,10 @@ def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], reader
         hint = " (quantization_config fp8 needs one per projection weight)" if missing[0] in scales else ""
         raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. "
                           f"{label(missing[0])!r}{hint}")
-    # DSA checkpoints carry a multi-token-prediction layer after the last one, which HF skips too.
-    mtp = f"model.layers.{cfg.num_hidden_layers}." if cfg.dsa is not None else None
+    # DSA checkpoints carry a multi-token-prediction layer after the last one, Qwen3-Next and Qwen3.5
+    # an ``mtp.`` module; HF skips both.
+    mtp = (f"model.layers.{cfg.num_hidden_layers}." if cfg.dsa is not None
+           else "mtp." if cfg.hybrid is not None else None)
     unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")
                   and not (mtp and n.startswith(mtp))]

@@ -1,0 +1,60 @@
+"""The linear-attention op on one rank: each request's new tokens are one sequence, started from the
+request's cached conv window and delta-rule state (zeros for a fresh request), whose final states go
+back to the pool. Under zigzag CP, graphcp/attention/linear_cp.py wraps the same sequence runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.kv.linear_state import LinearStatePool
+from graphcp.linear_context import SequenceMixer
+from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpack
+
+
+@dataclass
+class LinearBatch:
+    """What the linear layers need of a batch: each request's new-token count (host ints, request
+    order), its state slot and whether it starts fresh (no cached prefix)."""
+    lens: list[int]
+    slots: torch.Tensor      # [R] int64, into LinearStatePool
+    fresh: torch.Tensor      # [R] bool
+
+
+def mixer_inputs(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Consecutive sequences of rows -> padded [S, T, ...]; padded steps get g = beta = 0, the
+    identity step."""
+    return pack(mixed_qkv, lens), pack(g, lens), pack(beta, lens)
+
+
+def run_sequences(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  mixer: SequenceMixer, lens: list[int], window: torch.Tensor,
+                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [N, ...] made of consecutive sequences of ``lens`` (rows past sum(lens) are padding),
+    each started from its ``window`` [S, K-1, C] and ``state`` [S, Hv, dk, dv]. Returns (outputs
+    [N, Hv, dv] fp32, zeros on padding rows; final windows; final states)."""
+    x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=x.device)
+    conv_out, window = causal_conv(x, window, mixer.conv_weight, lens_t)
+    q, k, v = mixer.heads(conv_out)
+    o, state = gated_delta_rule(q, k, v, g, beta, state)
+    out = o.new_zeros((mixed_qkv.shape[0],) + o.shape[2:])
+    out[:sum(lens)] = unpack(o, lens)
+    return out, window, state
+
+
+class LocalLinearAttention:
+    """The op for a batch whose tokens all sit on this rank (no CP, or CP not applied)."""
+
+    def __init__(self, pool: LinearStatePool, batch: LinearBatch) -> None:
+        self.pool, self.batch = pool, batch
+
+    def __call__(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 mixer: SequenceMixer) -> torch.Tensor:
+        b = self.batch
+        window, state = self.pool.read(mixer.layer_id, b.slots, b.fresh)
+        out, window, state = run_sequences(mixed_qkv, g, beta, mixer, b.lens, window, state)
+        self.pool.write(mixer.layer_id, b.slots, window, state)
+        return out

@@ -1,0 +1,111 @@
+"""Hybrid linear-attention models for tests: tiny random HF checkpoints (Qwen3-Next, Qwen3.5, Qwen3.5-MoE)
+written by transformers, the HF oracle with its linear-attention cache, and a plain causal
+attention op that stands in for the engine's paged one when a test drives graphcp's model directly."""
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+ARCHES = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48)
+
+
+def make_hybrid_checkpoint(path: str, arch: str, seed: int = 0, shard: str | None = None,
+                           **overrides) -> str:
+    """A random checkpoint mixing Gated DeltaNet and full-attention layers, saved by transformers.
+    Decays are made slow (A = exp(A_log) in [0.02, 0.14]) so a state carries across ~100 tokens and
+    a wrong hand-off shows; ``shard`` (e.g. "40KB") writes several safetensors files and the
+    index."""
+    import transformers
+    cfg_name, model_name = ARCHES[arch]
+    kwargs = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=2048,
+                  layer_types=["linear_attention", "full_attention", "linear_attention",
+                               "linear_attention"])
+    if arch != "qwen3_5":
+        kwargs.update(MOE)
+    if arch == "qwen3_next":
+        kwargs["decoder_sparse_step"] = 2        # layers 1 and 3 MoE, 0 and 2 dense
+    kwargs.update(overrides)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(math.log(0.02), math.log(0.14))
+            elif name.endswith("dt_bias"):
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.08) if p.ndim > 1 else p.uniform_(0.8, 1.2)
+    sharding = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(path, safe_serialization=True, **sharding)
+    return path
+
+
+class HybridHF:
+    """The HF model in fp32 on CPU (its torch gated-delta-rule fallback): logits at every position
+    and, per layer, the cache it leaves: (conv window [K-1, conv_dim], delta state [Hv, dk, dv]) for
+    linear layers, (k, v) [kv_heads, len, head_dim] for full-attention ones."""
+
+    def __init__(self, path: str) -> None:
+        import transformers
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def run(self, ids: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        out = self.model(torch.tensor([ids]), use_cache=True)
+        cache, layers = out.past_key_values, []
+        for i, kind in enumerate(self.model.config.layer_types):
+            layer = cache.layers[i]
+            if kind == "linear_attention":
+                conv = layer.conv_states[0][0]                 # [conv_dim, K], oldest first
+                layers.append((conv[:, 1:].t().float(), layer.recurrent_states[0][0].float()))
+            else:
+                layers.append((layer.keys[0].float(), layer.values[0].float()))
+        return out.logits[0].float(), layers
+
+
+class LocalFullAttention:
+    """Causal attention of each request over its cached and new K/V: the test stand-in for the
+    engine's paged attention op, keeping K/V per (request, layer) across calls."""
+
+    def __init__(self, kv: dict, rids: list[str], lens: list[int]) -> None:
+        self.kv, self.rids, self.lens = kv, rids, lens
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        out, start = q.new_zeros(q.shape), 0
+        for rid, n in zip(self.rids, self.lens):
+            old_k, old_v = self.kv.get((rid, layer_id), (k[:0], v[:0]))
+            keys = torch.cat([old_k, k[start:start + n]])
+            values = torch.cat([old_v, v[start:start + n]])
+            self.kv[(rid, layer_id)] = (keys, values)
+            prefix = keys.shape[0] - n
+            group = q.shape[1] // k.shape[1]
+            mask = (torch.arange(n)[:, None] + prefix) >= torch.arange(prefix + n)[None, :]
+            keys_q, values_q = (x.repeat_interleave(group, 1).transpose(0, 1) for x in (keys, values))
+            attn = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys_q,
+                                                  values_q, attn_mask=mask)
+            out[start:start + n] = attn.transpose(0, 1)
+            start += n
+        return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

@@ -1,0 +1,169 @@
+"""Hybrid linear attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against HF transformers, one process.
+
+graphcp's loader reads the HF checkpoint; the model runs with the single-rank linear-attention op
+and its state pool, and a plain causal attention op for the full-attention layers. Checked: logits
+at every position, the conv windows and delta-rule states left in the pool and the full-attention
+K/V, for a batch of fresh requests and then a batch mixing a continued request (chunked prefill)
+with a fresh one.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hybrid_reference import HybridHF, LocalFullAttention, make_hybrid_checkpoint, rel_err
+
+from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
+from graphcp.errors import ConfigError
+from graphcp.forward_context import forward_context
+from graphcp.kv.linear_state import LinearStatePool
+from graphcp.linear_context import linear_attention_context
+from graphcp.models import load_model, read_model_config
+from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
+from graphcp.models.parallel import TPInfo
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hybrid")
+
+
+class Driver:
+    """graphcp's model with the single-rank ops and the state pool, requests kept across calls."""
+
+    def __init__(self, path: str) -> None:
+        self.model = load_model(path, torch.float32, torch.device("cpu"))
+        cfg = self.model.config
+        self.pool = LinearStatePool(cfg.hybrid, cfg.hybrid.linear_layers, 4, torch.float32,
+                                    torch.device("cpu"))
+        self.kv: dict = {}
+        self.cached: dict[str, int] = {}
+
+    @torch.no_grad()
+    def prefill(self, batch: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        rids, lens = [r for r, _ in batch], [len(ids) for _, ids in batch]
+        prefix = [self.cached.get(r, 0) for r in rids]
+        ids = torch.tensor([t for _, toks in batch for t in toks])
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
+        slots = torch.tensor([self.pool.allocate(r) for r in rids])
+        linear = LinearBatch(lens, slots, torch.tensor([p == 0 for p in prefix]))
+        with forward_context(LocalFullAttention(self.kv, rids, lens)), \
+                linear_attention_context(LocalLinearAttention(self.pool, linear)):
+            logits = self.model.compute_logits(self.model(ids, positions))
+        for r, n in zip(rids, lens):
+            self.cached[r] = self.cached.get(r, 0) + n
+        return list(logits.split(lens))
+
+    def caches(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, as HybridHF.run reports them."""
+        linear = self.pool.request_state(rid)
+        return [linear[i] if i in linear else tuple(t.transpose(0, 1) for t in self.kv[(rid, i)])
+                for i in range(self.model.config.num_hidden_layers)]
+
+
+def _check(logits: torch.Tensor, caches: list, ref: tuple, worst: dict, label: str) -> None:
+    ref_logits, ref_caches = ref
+    errors = {"logits": rel_err(logits, ref_logits[-logits.shape[0]:])}
+    for i, (mine, theirs) in enumerate(zip(caches, ref_caches)):
+        errors[f"layer{i}"] = max(rel_err(mine[0], theirs[0]), rel_err(mine[1], theirs[1]))
+    for key, err in errors.items():
+        worst[key] = max(worst.get(key, 0.0), err)
+        assert err <= TOL, f"{label}: {key} rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_hybrid_equals_hf_with_chunked_prefill(hybrid_dir, arch):
+    path = make_hybrid_checkpoint(str(hybrid_dir / arch), arch, seed=1,
+                                  shard="60KB" if arch == "qwen3_next" else None)
+    if arch == "qwen3_next":
+        assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    hf, graphcp = HybridHF(path), Driver(path)
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(0, 211, (n,), generator=gen).tolist() for n in (190, 57, 3))
+    worst: dict[str, float] = {}
+    first = graphcp.prefill([("a", a[:130]), ("b", b)])
+    ref_a = hf.run(a)
+    assert rel_err(first[0], ref_a[0][:130]) <= TOL
+    _check(first[1], graphcp.caches("b"), hf.run(b), worst, "b one-shot")
+    # The second call continues "a" from its pool state and K/V, beside a fresh 3-token request
+    # (shorter than the conv window).
+    second = graphcp.prefill([("a", a[130:]), ("c", c)])
+    _check(second[0], graphcp.caches("a"), ref_a, worst, "a chunked 130 + 60")
+    _check(second[1], graphcp.caches("c"), hf.run(c), worst, "c fresh")
+    print(f"{arch} worst rel err: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    graphcp.pool.release("a")
+    assert graphcp.pool.free_requests == 2 and "a" not in graphcp.pool.slot_of
+
+
+def test_delta_rule_and_conv_equal_hf_functions():
+    """The functions the layers and the CP hand-off share, against HF's torch fallbacks: the chunked
+    rule (with an initial state, a length off the chunk grid), its affine form, and the conv with a
+    carried window."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (causal_conv1d_update,
+                                                                    torch_chunk_gated_delta_rule)
+    gen = torch.Generator().manual_seed(0)
+    s, t, h, dk, dv = 2, 150, 3, 16, 8
+    q, k = torch.randn(s, t, h, dk, generator=gen), torch.randn(s, t, h, dk, generator=gen)
+    v, s0 = torch.randn(s, t, h, dv, generator=gen), torch.randn(s, h, dk, dv, generator=gen)
+    g, beta = -0.3 * torch.rand(s, t, h, generator=gen), torch.rand(s, t, h, generator=gen)
+    o_hf, final_hf = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
+                                                  output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    o, final = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta, s0)
+    assert rel_err(o, o_hf) <= 1e-5 and rel_err(final, final_hf) <= 1e-5
+    o_zero, q_eff, trans, offset = block_transition(l2norm(q), l2norm(k), v, g, beta)
+    assert rel_err(o_zero + torch.einsum("sthk,shkv->sthv", q_eff, s0), o_hf) <= 1e-5
+    assert rel_err(trans @ s0 + offset, final_hf) <= 1e-5
+
+    channels, kernel = 6, 4
+    weight = torch.randn(channels, kernel, generator=gen)
+    x = torch.randn(1, 9, channels, generator=gen)
+    window = torch.randn(1, kernel - 1, channels, generator=gen)
+    state = torch.cat([torch.zeros(1, channels, 1), window.transpose(1, 2)], -1)   # HF keeps K
+    ref = causal_conv1d_update(x.transpose(1, 2), state, weight, None, "silu").transpose(1, 2)
+    out, new_window = causal_conv(x, window, weight, torch.tensor([9]))
+    assert rel_err(out, ref) <= 1e-6
+    assert torch.equal(new_window, x[:, -(kernel - 1):])
+
+
+def _config(tmp_path, **changes) -> str:
+    base = {"architectures": ["Qwen3NextForCausalLM"], "vocab_size": 211, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4, "layer_types": ["linear_attention", "full_attention"]}
+    path = tmp_path / "cfg"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**base, **changes}))
+    return str(path)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+    ({"layer_types": None, "full_attention_interval": 0}, "full_attention_interval"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ({"rope_parameters": {"partial_rotary_factor": 0.01}}, "partial_rotary_factor"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+])
+def test_hybrid_config_errors_name_the_field(tmp_path, changes, field):
+    with pytest.raises(ConfigError, match=field):
+        read_model_config(_config(tmp_path, **changes))
+
+
+def test_hybrid_config_reads_the_layer_pattern(tmp_path):
+    cfg = read_model_config(_config(tmp_path, layer_types=None, full_attention_interval=2,
+                                    num_hidden_layers=4))
+    assert cfg.hybrid.linear_layers == (0, 2) and cfg.hybrid.rotary_dim == 8
+    assert cfg.moe_layers == ()           # no num_experts: every FFN dense
+
+
+def test_hybrid_refuses_attention_tp(hybrid_dir):
+    path = str(hybrid_dir / "qwen3_5")
+    if not os.path.isdir(path):
+        make_hybrid_checkpoint(path, "qwen3_5", seed=1)
+    with pytest.raises(ConfigError, match="--tp"):
+        load_model(path, torch.float32, torch.device("cpu"), tp=TPInfo(size=2, rank=0))
