@@ -1,6 +1,7 @@
-"""Hybrid linear-attention models for tests: tiny random HF checkpoints (Qwen3-Next, Qwen3.5, Qwen3.5-MoE)
-written by transformers, the HF oracle with its linear-attention cache, and a plain causal
-attention op that stands in for the engine's paged one when a test drives graphcp's model directly."""
+"""Hybrid linear-attention models for tests: tiny random HF checkpoints (Qwen3-Next, Qwen3.5,
+Qwen3.5-MoE) written by transformers, the HF oracle with its linear-attention cache, and plain
+attention ops that stand in for the engine's paged one when a test drives graphcp's model
+directly."""
 from __future__ import annotations
 
 import math
@@ -97,15 +98,54 @@ class LocalFullAttention:
             values = torch.cat([old_v, v[start:start + n]])
             self.kv[(rid, layer_id)] = (keys, values)
             prefix = keys.shape[0] - n
-            group = q.shape[1] // k.shape[1]
             mask = (torch.arange(n)[:, None] + prefix) >= torch.arange(prefix + n)[None, :]
-            keys_q, values_q = (x.repeat_interleave(group, 1).transpose(0, 1) for x in (keys, values))
-            attn = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys_q,
-                                                  values_q, attn_mask=mask)
-            out[start:start + n] = attn.transpose(0, 1)
+            out[start:start + n] = _attend(q[start:start + n], keys, values, mask)
             start += n
         return out
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            mask: torch.Tensor) -> torch.Tensor:
+    """q [n, Hq, d], keys/values [L, Hkv, d] (grouped heads), mask [n, L] -> [n, Hq, d]."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (x.repeat_interleave(group, 1).transpose(0, 1) for x in (keys, values))
+    attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+    return attn.transpose(0, 1)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+class GatheredFullAttention:
+    """Zigzag stand-in for the engine's CP attention (test only): all-gathers every rank's K/V with
+    each row's request and position, keeps each request's K/V in position order across calls, and
+    lets each local query see its request's keys up to its own position."""
+
+    def __init__(self, kv: dict, group, rids: list[str], row_request: torch.Tensor,  # noqa: ANN001
+                 row_position: torch.Tensor) -> None:
+        self.kv, self.group, self.rids = kv, group, rids
+        self.row_request, self.row_position = row_request, row_position     # [cap], -1: padding
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        from graphcp.dist.comm import all_gather_into
+        out = x.new_empty((dist.get_world_size(self.group) * x.shape[0],) + x.shape[1:])
+        return all_gather_into(out, x, self.group)
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        keys_all, values_all = self._gather(k), self._gather(v)
+        req_all, pos_all = self._gather(self.row_request), self._gather(self.row_position)
+        out = q.new_zeros(q.shape)
+        for i, rid in enumerate(self.rids):
+            new = (req_all == i).nonzero()[:, 0]
+            new = new[pos_all[new].argsort()]
+            old_k, old_v = self.kv.get((rid, layer_id), (k[:0], v[:0]))
+            keys, values = torch.cat([old_k, keys_all[new]]), torch.cat([old_v, values_all[new]])
+            self.kv[(rid, layer_id)] = (keys, values)
+            mine = (self.row_request == i).nonzero()[:, 0]
+            mask = torch.arange(keys.shape[0])[None, :] <= self.row_position[mine][:, None]
+            out[mine] = _attend(q[mine], keys, values, mask)
+        return out

@@ -1,0 +1,145 @@
+"""The linear-attention op under zigzag CP: no rank gathers the sequence.
+
+Zigzag splits each request into 2C blocks in sequence order; rank r holds blocks r and 2C-1-r, its
+rows ordered early blocks of every request, then late blocks. Per linear layer:
+
+1. halo: every rank all-gathers each of its blocks' last K-1 conv inputs; scanning the blocks in
+   order from the request's cached window gives the window entering each block (and the final one);
+2. each rank runs the conv and, from a zero state, the delta rule over its own blocks: per block the
+   affine map S_end = A S_start + B and the outputs o = o_zero + q_eff S_start
+   (graphcp/models/delta_rule.py ``block_transition``);
+3. one all-gather of (A, B) for every block; every rank scans the 2C blocks of each request in order
+   from its cached state, which gives each block's true initial state and the request's final state;
+4. outputs are corrected: o = o_zero + q_eff S_start.
+
+Worked example, C = 2, one fresh request of 8 tokens: blocks b0..b3 of 2 tokens; rank 0 holds b0,
+b3, rank 1 holds b1, b2. After the gather both ranks know (A_b, B_b) for all four and compute
+    S_in(b0) = 0, S_in(b1) = B_0, S_in(b2) = A_1 B_0 + B_1, S_in(b3) = A_2 S_in(b2) + B_2;
+rank 0 corrects b3 with S_in(b3), rank 1 corrects b1 and b2 (b0 is exact already). Both store the
+final state A_3 S_in(b3) + B_3. A cached request starts the scan from its stored state instead of 0.
+
+Every rank ends with every request's final states, so the pool (graphcp/kv/linear_state.py) holds
+them replicated and a continued request needs no exchange to start. Each rank's work is its own
+blocks (about 1/C of the tokens) plus a scan of 2C small matrix products per request and head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.attention.linear_op import mixer_inputs
+from graphcp.dist.comm import CPComm, all_gather_into
+from graphcp.kv.linear_state import LinearStatePool
+from graphcp.linear_context import SequenceMixer
+from graphcp.models.delta_rule import block_transition, causal_conv, unpack
+
+
+@dataclass
+class ZigzagLinearBatch:
+    """What the zigzag op needs of a batch, the same on every rank: each request's 2C block lengths
+    in sequence order (host ints, as the CP plan cuts them), its state slot and whether it starts
+    fresh."""
+    block_lens: list[list[int]]      # [R][2C]
+    slots: torch.Tensor              # [R] int64
+    fresh: torch.Tensor              # [R] bool
+
+    def local_lens(self, rank: int) -> list[int]:
+        """This rank's sequences in row order: every request's early block, then its late block."""
+        last = len(self.block_lens[0]) - 1 if self.block_lens else 0
+        return [b[rank] for b in self.block_lens] + [b[last - rank] for b in self.block_lens]
+
+    def gathered_index(self, cp_size: int) -> torch.Tensor:
+        """[R, 2C]: where block b of request q sits among the all-gathered sequences ([C * 2R],
+        rank-major, each rank's in row order)."""
+        requests = len(self.block_lens)
+        q = torch.arange(requests)[:, None]
+        b = torch.arange(2 * cp_size)[None, :]
+        early = b < cp_size
+        owner = torch.where(early, b, 2 * cp_size - 1 - b)
+        return owner * 2 * requests + torch.where(early, q, requests + q)
+
+
+def scan_windows(window: torch.Tensor, tails: torch.Tensor, lens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """window [R, K-1, C] before each request; tails [R, 2C, K-1, C] each block's last K-1 inputs,
+    right-aligned (zeros before a short block's inputs); lens [R, 2C]. Returns (the window entering
+    each block [R, 2C, K-1, C], the window after the last block [R, K-1, C])."""
+    width = window.shape[1]
+    j = torch.arange(width, device=window.device)
+    entering = []
+    for b in range(tails.shape[1]):
+        entering.append(window)
+        m = lens[:, b].clamp(max=width)[:, None]                       # inputs the block adds
+        # The last K-1 of (window ++ the block's m inputs): window rows m.. then the tail's last m.
+        rows = torch.where(m + j < width, m + j, width + j)            # [R, K-1] into the concat
+        both = torch.cat([window, tails[:, b]], 1)
+        window = both.gather(1, rows[..., None].expand(-1, -1, both.shape[-1]))
+    return torch.stack(entering, 1), window
+
+
+def scan_states(state: torch.Tensor, trans: torch.Tensor, offset: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """state [R, H, dk, dv] before each request; trans [R, 2C, H, dk, dk], offset [R, 2C, H, dk, dv]
+    each block's affine map. Returns (each block's initial state [R, 2C, H, dk, dv], the final
+    state)."""
+    entering = []
+    for b in range(trans.shape[1]):
+        entering.append(state)
+        state = trans[:, b] @ state + offset[:, b]
+    return torch.stack(entering, 1), state
+
+
+class ZigzagLinearAttention:
+    """The op for a zigzag batch; counts its collectives and the bytes each rank receives."""
+
+    def __init__(self, pool: LinearStatePool, batch: ZigzagLinearBatch, comm: CPComm) -> None:
+        self.pool, self.batch, self.comm = pool, batch, comm
+        self.lens = batch.local_lens(comm.rank)
+        self.index = batch.gathered_index(comm.size)
+        self.block_lens = torch.tensor(batch.block_lens, dtype=torch.int64)
+        self.num_exchanges = 0
+        self.bytes_received = 0
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """[2R, ...] from every rank -> [R, 2C, ...] in each request's block order."""
+        out = local.new_empty((self.comm.size * local.shape[0],) + local.shape[1:])
+        all_gather_into(out, local.contiguous(), self.comm.group)
+        self.num_exchanges += 1
+        self.bytes_received += out.numel() * out.element_size()
+        return out[self.index.to(out.device)]
+
+    def __call__(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 mixer: SequenceMixer) -> torch.Tensor:
+        rank = self.comm.rank
+        late = 2 * self.comm.size - 1 - rank
+        lens = torch.tensor(self.lens, dtype=torch.int64, device=mixed_qkv.device)
+        window, state = self.pool.read(mixer.layer_id, self.batch.slots, self.batch.fresh)
+        x, g, beta = mixer_inputs(mixed_qkv, g, beta, self.lens)
+        width = window.shape[1]
+        # Each local block's last K-1 inputs, right-aligned: rows len-K+1 .. len-1 (zeros before 0).
+        rows = lens[:, None] - width + torch.arange(width, device=x.device)
+        tails = torch.cat([x.new_zeros(x.shape[0], width, x.shape[2]), x], 1)
+        tails = tails.gather(1, (rows + width)[..., None].expand(-1, -1, x.shape[2]))
+        entering, final_window = scan_windows(window, self._gather(tails), self.block_lens)
+        mine = torch.cat([entering[:, rank], entering[:, late]])         # local row order
+        conv_out, _ = causal_conv(x, mine, mixer.conv_weight, lens)
+        o_zero, q_eff, trans, offset = block_transition(*mixer.heads(conv_out), g, beta)
+        dv = offset.shape[-1]
+        maps = self._gather(torch.cat([trans, offset], -1))              # one exchange for both
+        starts, final_state = scan_states(state, maps[..., :-dv], maps[..., -dv:])
+        start = torch.cat([starts[:, rank], starts[:, late]])
+        o = o_zero + torch.einsum("sthk,shkv->sthv", q_eff, start)
+        self.pool.write(mixer.layer_id, self.batch.slots, final_window, final_state)
+        out = o.new_zeros((mixed_qkv.shape[0],) + o.shape[2:])
+        out[:sum(self.lens)] = unpack(o, self.lens)
+        return out
+
+
+def exchange_bytes(requests: int, cp_size: int, mixer_dims: tuple[int, int, int, int, int],
+                   conv_bytes: int) -> int:
+    """Bytes each rank receives per linear layer: the halo and the block maps of 2C blocks per
+    request. ``mixer_dims`` = (kernel, conv_dim, heads, dk, dv); the maps are fp32."""
+    kernel, conv_dim, heads, dk, dv = mixer_dims
+    blocks = 2 * cp_size * requests
+    return blocks * ((kernel - 1) * conv_dim * conv_bytes + heads * dk * (dk + dv) * 4)
