@@ -149,3 +149,27 @@ class GatheredFullAttention:
             mask = torch.arange(keys.shape[0])[None, :] <= self.row_position[mine][:, None]
             out[mine] = _attend(q[mine], keys, values, mask)
         return out
+
+
+def graph_equals_eager(op, mixer, inputs: list[torch.Tensor], pool,  # noqa: ANN001
+                       next_batch) -> float:  # noqa: ANN001
+    """Capture the linear-attention ``op`` under graphcp's CPU capture emulation (its rules: no host
+    sync, no data-dependent shape, collectives as breaks), let ``next_batch()`` write another batch
+    into the same buffers (inputs and batch tensors), replay, and return the worst relative error of
+    the replay's outputs and pool states against an eager call on that batch."""
+    from graphcp.graph.cpu import CpuCapture
+    gen = torch.Generator().manual_seed(3)
+    out = op(*inputs, mixer).clone()                 # eager warmup: the output buffer's shape
+    with CpuCapture() as capture:
+        out.copy_(op(*inputs, mixer))
+    graph = capture.finish([out, *inputs, pool.conv, pool.recurrent])
+    next_batch()
+    for t in (pool.conv, pool.recurrent):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before = pool.conv.clone(), pool.recurrent.clone()
+    graph.replay()
+    replayed = out.clone(), pool.conv.clone(), pool.recurrent.clone()
+    pool.conv.copy_(before[0])
+    pool.recurrent.copy_(before[1])
+    eager = op(*inputs, mixer), pool.conv, pool.recurrent
+    return max(rel_err(a, b) for a, b in zip(replayed, eager))

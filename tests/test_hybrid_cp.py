@@ -7,7 +7,9 @@ Each rank holds only its zigzag rows (``graphcp.cp.build_layout``) and runs the 
   request's final conv window and delta state, over a fresh batch (one request shorter than 2C) and
   a batch of continued requests (their cached states) beside a fresh one;
 - the Qwen3-Next model against HF logits at each of its rows and HF's final linear caches, through
-  a fresh batch and a chunked continuation, with a gathering stand-in for the full-attention layers.
+  a fresh batch and a chunked continuation, with a gathering stand-in for the full-attention layers;
+- the op captured under the CPU capture emulation (its two exchanges are breaks under gloo) replays
+  another batch as its eager call computes it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hybrid_reference import GatheredFullAttention, HybridHF, make_hybrid_checkpoint, rel_err
+from hybrid_reference import (GatheredFullAttention, HybridHF, graph_equals_eager,
+                              make_hybrid_checkpoint, rel_err)
 
 from graphcp.attention.linear_cp import ZigzagLinearAttention, ZigzagLinearBatch
 from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
@@ -49,7 +52,7 @@ def _zigzag(world: int, rank: int, lens: list[int], prefix: list[int]):  # noqa:
     late = [layout.q_lens_late for layout in reversed(layouts)]   # blocks C .. 2C-1
     blocks = [[lens_q[q] for lens_q in early + late] for q in range(len(lens))]
     assert [sum(b) for b in blocks] == lens
-    return layouts[rank].local_indices, blocks, max(layouts[0].per_rank_tokens)
+    return layouts[rank].local_indices, torch.tensor(blocks), max(layouts[0].per_rank_tokens)
 
 
 def _rows(full: torch.Tensor, index: list[int], cap: int, fill: torch.Tensor) -> torch.Tensor:
@@ -72,11 +75,13 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
                   -0.3 * torch.rand(sum(lens), h.num_v_heads, generator=gen),
                   torch.rand(sum(lens), h.num_v_heads, generator=gen)]
         slots = [torch.tensor([p.allocate(r) for r in rids]) for p in pools]
-        ref = LocalLinearAttention(pools[0], LinearBatch(lens, slots[0], fresh))(*inputs, mixer)
+        linear = LinearBatch(torch.tensor(lens), slots[0], fresh, max(lens))
+        ref = LocalLinearAttention(pools[0], linear)(*inputs, mixer)
         index, blocks, cap = _zigzag(comm.size, comm.rank, lens, prefix)
         garbage = [torch.randn((cap,) + x.shape[1:], generator=gen) for x in inputs]
         local = [_rows(x, index, cap, fill) for x, fill in zip(inputs, garbage)]
-        op = ZigzagLinearAttention(pools[1], ZigzagLinearBatch(blocks, slots[1], fresh), comm)
+        zigzag = ZigzagLinearBatch(blocks, slots[1], fresh, int(blocks.max()))  # the longest block
+        op = ZigzagLinearAttention(pools[1], zigzag, comm)
         out = op(*local, mixer)
         assert op.num_exchanges == 2 and not out[len(index):].any()
         worst["rows"] = max(worst["rows"], rel_err(out[:len(index)], ref[index]))
@@ -86,6 +91,35 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
                                   rel_err(mine[1], theirs[1]))
         cached.update({r: p + n for r, p, n in zip(rids, prefix, lens)})
     return worst
+
+
+def _graph_check(model, comm: CPComm) -> dict:  # noqa: ANN001
+    mixer, h = model.model.layers["2"].linear_attn, model.config.hybrid
+    pool = LinearStatePool(h, [2], 4, torch.float32, torch.device("cpu"))
+    gen, batches = torch.Generator().manual_seed(11), ([37, 5, 64], [50, 20, 9])
+    layouts = [_zigzag(comm.size, comm.rank, lens, [0] * 3) for lens in batches]
+    cap = max(c for _, _, c in layouts)
+    inputs = [torch.empty(cap, h.conv_dim), torch.empty(cap, h.num_v_heads),
+              torch.empty(cap, h.num_v_heads)]
+    zigzag = ZigzagLinearBatch(layouts[0][1].clone(), torch.tensor([1, 2, 3]),
+                               torch.tensor([True, False, True]), cap)
+
+    def fill() -> None:
+        for t in inputs:
+            t.copy_(torch.rand(t.shape, generator=gen))
+        inputs[1].mul_(-0.3)
+
+    def next_batch() -> None:
+        fill()
+        zigzag.block_lens.copy_(layouts[1][1])
+        zigzag.slots.copy_(torch.tensor([3, 1, 2]))
+        zigzag.fresh.copy_(torch.tensor([False, True, False]))
+
+    fill()
+    op = ZigzagLinearAttention(pool, zigzag, comm)
+    err = graph_equals_eager(op, mixer, inputs, pool, next_batch)
+    assert op.num_exchanges == 8       # warmup, capture, replay, eager: two exchanges each
+    return {"replay": err}
 
 
 def _model_check(model, comm: CPComm, reference: dict) -> dict:  # noqa: ANN001
@@ -102,7 +136,8 @@ def _model_check(model, comm: CPComm, reference: dict) -> dict:  # noqa: ANN001
         pad = torch.full((cap,), -1)
         row_req, row_pos = _rows(requests, index, cap, pad), _rows(positions, index, cap, pad)
         slots = torch.tensor([pool.allocate(r) for r in rids])
-        linear = ZigzagLinearBatch(blocks, slots, torch.tensor([p == 0 for p in prefix]))
+        # The local capacity bounds the blocks, as a graph bucket's would.
+        linear = ZigzagLinearBatch(blocks, slots, torch.tensor([p == 0 for p in prefix]), cap)
         with forward_context(GatheredFullAttention(kv, comm.group, rids, row_req, row_pos)), \
                 linear_attention_context(ZigzagLinearAttention(pool, linear, comm)):
             hidden = model(_rows(ids, index, cap, pad.clamp(min=0)), row_pos.clamp(min=0))
@@ -130,7 +165,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, ref_path: str, out_d
         for group, size in groups:
             comm = CPComm(group, size, rank)
             with torch.no_grad():
-                result = {"op": _op_check(model, comm),
+                result = {"op": _op_check(model, comm), "graph": _graph_check(model, comm),
                           "model": _model_check(model, comm, reference)}
             with open(os.path.join(out_dir, f"C{size}_rank{rank}.json"), "w") as f:
                 json.dump(result, f)

@@ -13,7 +13,8 @@ import os
 
 import pytest
 import torch
-from hybrid_reference import HybridHF, LocalFullAttention, make_hybrid_checkpoint, rel_err
+from hybrid_reference import (HybridHF, LocalFullAttention, graph_equals_eager,
+                              make_hybrid_checkpoint, rel_err)
 
 from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
 from graphcp.errors import ConfigError
@@ -50,7 +51,8 @@ class Driver:
         ids = torch.tensor([t for _, toks in batch for t in toks])
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
         slots = torch.tensor([self.pool.allocate(r) for r in rids])
-        linear = LinearBatch(lens, slots, torch.tensor([p == 0 for p in prefix]))
+        linear = LinearBatch(torch.tensor(lens), slots, torch.tensor([p == 0 for p in prefix]),
+                             max(lens))
         with forward_context(LocalFullAttention(self.kv, rids, lens)), \
                 linear_attention_context(LocalLinearAttention(self.pool, linear)):
             logits = self.model.compute_logits(self.model(ids, positions))
@@ -128,6 +130,39 @@ def test_delta_rule_and_conv_equal_hf_functions():
     out, new_window = causal_conv(x, window, weight, torch.tensor([9]))
     assert rel_err(out, ref) <= 1e-6
     assert torch.equal(new_window, x[:, -(kernel - 1):])
+
+
+def test_linear_op_graph_equals_eager(hybrid_dir):
+    """The single-rank op captured once replays another batch (other lengths, slots, fresh flags)
+    exactly as an eager call computes it."""
+    path = str(hybrid_dir / "qwen3_5")
+    if not os.path.isdir(path):
+        make_hybrid_checkpoint(path, "qwen3_5", seed=1)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    h, mixer = model.config.hybrid, model.model.layers["0"].linear_attn
+    pool = LinearStatePool(h, [0], 4, torch.float32, torch.device("cpu"))
+    gen, rows = torch.Generator().manual_seed(0), 96
+
+    def fill(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        for t in buffers:
+            t.copy_(torch.rand(t.shape, generator=gen))
+        buffers[1].mul_(-0.3)                                # g: log decays are negative
+        return buffers
+
+    inputs = fill([torch.empty(rows, h.conv_dim), torch.empty(rows, h.num_v_heads),
+                   torch.empty(rows, h.num_v_heads)])
+    batch = LinearBatch(torch.tensor([40, 30, 0]), torch.tensor([1, 2, 0]),
+                        torch.tensor([True, False, True]), rows)
+
+    def next_batch() -> None:
+        fill(inputs)
+        batch.lens.copy_(torch.tensor([50, 20, 10]))
+        batch.slots.copy_(torch.tensor([2, 1, 3]))
+        batch.fresh.copy_(torch.tensor([False, True, False]))
+
+    with torch.no_grad():
+        err = graph_equals_eager(LocalLinearAttention(pool, batch), mixer, inputs, pool, next_batch)
+    assert err <= TOL, err
 
 
 def _config(tmp_path, **changes) -> str:

@@ -30,6 +30,7 @@ import torch
 
 from graphcp.attention.linear_op import mixer_inputs
 from graphcp.dist.comm import CPComm, all_gather_into
+from graphcp.graph.protocol import graph_break
 from graphcp.kv.linear_state import LinearStatePool
 from graphcp.linear_context import SequenceMixer
 from graphcp.models.delta_rule import block_transition, causal_conv, unpack
@@ -38,25 +39,26 @@ from graphcp.models.delta_rule import block_transition, causal_conv, unpack
 @dataclass
 class ZigzagLinearBatch:
     """What the zigzag op needs of a batch, the same on every rank: each request's 2C block lengths
-    in sequence order (host ints, as the CP plan cuts them), its state slot and whether it starts
-    fresh."""
-    block_lens: list[list[int]]      # [R][2C]
+    in sequence order (as the CP plan cuts them), its state slot and whether it starts fresh;
+    ``max_len`` bounds the local block lengths (static: the batch's longest eagerly, the bucket's
+    capacity in a graph)."""
+    block_lens: torch.Tensor         # [R, 2C] int64
     slots: torch.Tensor              # [R] int64
     fresh: torch.Tensor              # [R] bool
+    max_len: int
 
-    def local_lens(self, rank: int) -> list[int]:
+    def local_lens(self, rank: int) -> torch.Tensor:
         """This rank's sequences in row order: every request's early block, then its late block."""
-        last = len(self.block_lens[0]) - 1 if self.block_lens else 0
-        return [b[rank] for b in self.block_lens] + [b[last - rank] for b in self.block_lens]
+        return torch.cat([self.block_lens[:, rank], self.block_lens[:, -1 - rank]])
 
-    def gathered_index(self, cp_size: int) -> torch.Tensor:
+    def gathered_index(self) -> torch.Tensor:
         """[R, 2C]: where block b of request q sits among the all-gathered sequences ([C * 2R],
         rank-major, each rank's in row order)."""
-        requests = len(self.block_lens)
-        q = torch.arange(requests)[:, None]
-        b = torch.arange(2 * cp_size)[None, :]
-        early = b < cp_size
-        owner = torch.where(early, b, 2 * cp_size - 1 - b)
+        requests, blocks = self.block_lens.shape
+        q = torch.arange(requests, device=self.block_lens.device)[:, None]
+        b = torch.arange(blocks, device=self.block_lens.device)[None, :]
+        early = b < blocks // 2
+        owner = torch.where(early, b, blocks - 1 - b)
         return owner * 2 * requests + torch.where(early, q, requests + q)
 
 
@@ -91,37 +93,34 @@ def scan_states(state: torch.Tensor, trans: torch.Tensor, offset: torch.Tensor
 
 
 class ZigzagLinearAttention:
-    """The op for a zigzag batch; counts its collectives and the bytes each rank receives."""
+    """The op for a zigzag batch; counts its exchanges and the bytes this rank receives (inside the
+    collective's break, so graph replays count too)."""
 
     def __init__(self, pool: LinearStatePool, batch: ZigzagLinearBatch, comm: CPComm) -> None:
         self.pool, self.batch, self.comm = pool, batch, comm
-        self.lens = batch.local_lens(comm.rank)
-        self.index = batch.gathered_index(comm.size)
-        self.block_lens = torch.tensor(batch.block_lens, dtype=torch.int64)
+        self.index = batch.gathered_index()          # depends on R and C only
         self.num_exchanges = 0
         self.bytes_received = 0
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """[2R, ...] from every rank -> [R, 2C, ...] in each request's block order."""
         out = local.new_empty((self.comm.size * local.shape[0],) + local.shape[1:])
-        all_gather_into(out, local.contiguous(), self.comm.group)
-        self.num_exchanges += 1
-        self.bytes_received += out.numel() * out.element_size()
-        return out[self.index.to(out.device)]
+        (_exchange if self.comm.capturable else _exchange_break)(self, out, local.contiguous())
+        return out[self.index]
 
     def __call__(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  mixer: SequenceMixer) -> torch.Tensor:
-        rank = self.comm.rank
+        rank, b = self.comm.rank, self.batch
+        lens = b.local_lens(rank)           # read each call: a graph replay sees the live lengths
         late = 2 * self.comm.size - 1 - rank
-        lens = torch.tensor(self.lens, dtype=torch.int64, device=mixed_qkv.device)
-        window, state = self.pool.read(mixer.layer_id, self.batch.slots, self.batch.fresh)
-        x, g, beta = mixer_inputs(mixed_qkv, g, beta, self.lens)
+        window, state = self.pool.read(mixer.layer_id, b.slots, b.fresh)
+        x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, b.max_len)
         width = window.shape[1]
         # Each local block's last K-1 inputs, right-aligned: rows len-K+1 .. len-1 (zeros before 0).
-        rows = lens[:, None] - width + torch.arange(width, device=x.device)
+        rows = lens[:, None] + torch.arange(width, device=x.device)       # into [zeros, x]
         tails = torch.cat([x.new_zeros(x.shape[0], width, x.shape[2]), x], 1)
-        tails = tails.gather(1, (rows + width)[..., None].expand(-1, -1, x.shape[2]))
-        entering, final_window = scan_windows(window, self._gather(tails), self.block_lens)
+        tails = tails.gather(1, rows[..., None].expand(-1, -1, x.shape[2]))
+        entering, final_window = scan_windows(window, self._gather(tails), b.block_lens)
         mine = torch.cat([entering[:, rank], entering[:, late]])         # local row order
         conv_out, _ = causal_conv(x, mine, mixer.conv_weight, lens)
         o_zero, q_eff, trans, offset = block_transition(*mixer.heads(conv_out), g, beta)
@@ -130,10 +129,17 @@ class ZigzagLinearAttention:
         starts, final_state = scan_states(state, maps[..., :-dv], maps[..., -dv:])
         start = torch.cat([starts[:, rank], starts[:, late]])
         o = o_zero + torch.einsum("sthk,shkv->sthv", q_eff, start)
-        self.pool.write(mixer.layer_id, self.batch.slots, final_window, final_state)
-        out = o.new_zeros((mixed_qkv.shape[0],) + o.shape[2:])
-        out[:sum(self.lens)] = unpack(o, self.lens)
-        return out
+        self.pool.write(mixer.layer_id, b.slots, final_window, final_state)
+        return unpack(o, lens, mixed_qkv.shape[0])
+
+
+def _exchange(op: ZigzagLinearAttention, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    op.num_exchanges += 1
+    op.bytes_received += out.numel() * out.element_size()
+    return all_gather_into(out, local, op.comm.group)
+
+
+_exchange_break = graph_break(_exchange, collective=True)
 
 
 def exchange_bytes(requests: int, cp_size: int, mixer_dims: tuple[int, int, int, int, int],

@@ -1,6 +1,9 @@
 """The linear-attention op on one rank: each request's new tokens are one sequence, started from the
 request's cached conv window and delta-rule state (zeros for a fresh request), whose final states go
-back to the pool. Under zigzag CP, graphcp/attention/linear_cp.py wraps the same sequence runner.
+back to the pool. Under zigzag CP, graphcp/attention/linear_cp.py wraps the same steps.
+
+Every step is a tensor op on device lengths with a static ``max_len`` (no host sync), so the op can sit
+inside a captured graph segment; only the CP collectives are breaks where they cannot be captured.
 """
 from __future__ import annotations
 
@@ -15,34 +18,33 @@ from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpac
 
 @dataclass
 class LinearBatch:
-    """What the linear layers need of a batch: each request's new-token count (host ints, request
-    order), its state slot and whether it starts fresh (no cached prefix)."""
-    lens: list[int]
-    slots: torch.Tensor      # [R] int64, into LinearStatePool
+    """What the linear layers need of a batch: each request's new-token count (its rows are
+    consecutive, in request order), its state slot and whether it starts fresh (no cached prefix);
+    ``max_len`` bounds the counts (the batch's longest eagerly, the bucket's capacity in a graph)."""
+    lens: torch.Tensor       # [R] int64
+    slots: torch.Tensor      # [R] int64, into LinearStatePool (0: the dummy slot of padding)
     fresh: torch.Tensor      # [R] bool
+    max_len: int
 
 
-def mixer_inputs(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Consecutive sequences of rows -> padded [S, T, ...]; padded steps get g = beta = 0, the
-    identity step."""
-    return pack(mixed_qkv, lens), pack(g, lens), pack(beta, lens)
+def mixer_inputs(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: torch.Tensor,
+                 max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Consecutive sequences of rows -> padded [S, max_len, ...]; padded steps get g = beta = 0,
+    the identity step."""
+    return pack(mixed_qkv, lens, max_len), pack(g, lens, max_len), pack(beta, lens, max_len)
 
 
 def run_sequences(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  mixer: SequenceMixer, lens: list[int], window: torch.Tensor,
+                  mixer: SequenceMixer, lens: torch.Tensor, max_len: int, window: torch.Tensor,
                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows [N, ...] made of consecutive sequences of ``lens`` (rows past sum(lens) are padding),
+    """Rows [N, ...] made of consecutive sequences of ``lens`` (rows past their sum are padding),
     each started from its ``window`` [S, K-1, C] and ``state`` [S, Hv, dk, dv]. Returns (outputs
     [N, Hv, dv] fp32, zeros on padding rows; final windows; final states)."""
-    x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens)
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=x.device)
-    conv_out, window = causal_conv(x, window, mixer.conv_weight, lens_t)
+    x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, max_len)
+    conv_out, window = causal_conv(x, window, mixer.conv_weight, lens)
     q, k, v = mixer.heads(conv_out)
     o, state = gated_delta_rule(q, k, v, g, beta, state)
-    out = o.new_zeros((mixed_qkv.shape[0],) + o.shape[2:])
-    out[:sum(lens)] = unpack(o, lens)
-    return out, window, state
+    return unpack(o, lens, mixed_qkv.shape[0]), window, state
 
 
 class LocalLinearAttention:
@@ -55,6 +57,7 @@ class LocalLinearAttention:
                  mixer: SequenceMixer) -> torch.Tensor:
         b = self.batch
         window, state = self.pool.read(mixer.layer_id, b.slots, b.fresh)
-        out, window, state = run_sequences(mixed_qkv, g, beta, mixer, b.lens, window, state)
+        out, window, state = run_sequences(mixed_qkv, g, beta, mixer, b.lens, b.max_len, window,
+                                           state)
         self.pool.write(mixer.layer_id, b.slots, window, state)
         return out

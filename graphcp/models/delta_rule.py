@@ -97,17 +97,23 @@ def block_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return o[..., :dv], o[..., dv:], final[..., dv:], final[..., :dv]
 
 
-def pack(rows: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """Consecutive sequences of ``rows`` [N, ...] -> [S, max(lens), ...], zero-padded (at least one
-    step, so empty sequences still pass through as identity steps)."""
-    out = rows.new_zeros((len(lens), max(max(lens, default=0), 1)) + rows.shape[1:])
-    start = 0
-    for i, n in enumerate(lens):
-        out[i, :n] = rows[start:start + n]
-        start += n
-    return out
+def pack(rows: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Consecutive sequences of ``rows`` [N, ...] with lengths ``lens`` [S] -> [S, max_len, ...],
+    zero past each length. Tensor ops with a static ``max_len`` (at least 1, so an empty sequence
+    still passes one identity step), so it can run inside a captured graph."""
+    steps = torch.arange(max(max_len, 1), device=rows.device)
+    starts = torch.cumsum(lens, 0) - lens
+    index = (starts[:, None] + steps).clamp(max=max(rows.shape[0] - 1, 0))
+    valid = (steps < lens[:, None]).view(index.shape + (1,) * (rows.dim() - 1))
+    return torch.where(valid, rows[index], torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def unpack(padded: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """The inverse of ``pack``: [S, T, ...] -> [sum(lens), ...]."""
-    return torch.cat([padded[i, :n] for i, n in enumerate(lens)]) if lens else padded[:0, 0]
+def unpack(padded: torch.Tensor, lens: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of ``pack``: [S, T, ...] -> [rows, ...]; rows past sum(lens) are zeros."""
+    ends = torch.cumsum(lens, 0)
+    row = torch.arange(rows, device=padded.device)
+    seq = torch.searchsorted(ends, row, right=True).clamp(max=lens.shape[0] - 1)
+    offset = row - (ends - lens)[seq]
+    valid = (offset < lens[seq]).view((rows,) + (1,) * (padded.dim() - 2))
+    picked = padded[seq, offset.clamp(0, padded.shape[1] - 1)]
+    return torch.where(valid, picked, torch.zeros((), dtype=padded.dtype, device=padded.device))
