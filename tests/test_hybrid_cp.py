@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from hybrid_reference import (GatheredFullAttention, HybridHF, graph_equals_eager,
                               make_hybrid_checkpoint, rel_err)
 
-from graphcp.attention.linear_cp import ZigzagLinearAttention, ZigzagLinearBatch
+from graphcp.attention.linear_cp import ZigzagLinearAttention, ZigzagLinearBatch, exchange_bytes
 from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
 from graphcp.cp import build_layout
 from graphcp.dist.comm import CPComm
@@ -84,6 +84,8 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
         op = ZigzagLinearAttention(pools[1], zigzag, comm)
         out = op(*local, mixer)
         assert op.num_exchanges == 2 and not out[len(index):].any()
+        dims = (h.conv_kernel, h.conv_dim, h.num_v_heads, h.head_k_dim, h.head_v_dim)
+        assert op.bytes_received == exchange_bytes(len(rids), comm.size, dims, conv_bytes=4)
         worst["rows"] = max(worst["rows"], rel_err(out[:len(index)], ref[index]))
         for r in rids:
             mine, theirs = pools[1].request_state(r)[0], pools[0].request_state(r)[0]
