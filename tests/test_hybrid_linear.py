@@ -18,12 +18,14 @@ from hybrid_reference import (HybridHF, LocalFullAttention, graph_equals_eager,
                               make_hybrid_checkpoint, rel_err)
 
 from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
+from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError
 from graphcp.forward_context import forward_context
 from graphcp.kv.linear_state import LinearStatePool
 from graphcp.linear_context import linear_attention_context
 from graphcp.models import load_model, read_model_config
 from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
+from graphcp.models.hybrid_config import check_hybrid_flags
 from graphcp.models.parallel import TPInfo
 
 TOL = 1e-4
@@ -211,6 +213,22 @@ def test_hybrid_config_reads_the_layer_pattern(tmp_path):
                                     num_hidden_layers=4))
     assert cfg.hybrid.linear_layers == (0, 2) and cfg.hybrid.rotary_dim == 8
     assert cfg.moe_layers == ()           # no num_experts: every FFN dense
+
+
+@pytest.mark.parametrize("flags, named", [
+    (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="interleave"),
+     "--cp-strategy"),
+    (dict(tp_size=2), "--tp"),
+    (dict(disaggregation_mode="prefill"), "--disaggregation-mode"),
+])
+def test_hybrid_flags_are_checked(hybrid_dir, flags, named):
+    path = str(hybrid_dir / "qwen3_5")
+    if not os.path.isdir(path):
+        make_hybrid_checkpoint(path, "qwen3_5", seed=1)
+    check_hybrid_flags(EngineArgs(model_path=path, tp_size=2, attn_cp_size=2,
+                                  enable_prefill_cp=True, cp_strategy="zigzag"))   # accepted
+    with pytest.raises(ConfigError, match=named):
+        check_hybrid_flags(EngineArgs(model_path=path, **flags))
 
 
 def test_hybrid_refuses_attention_tp(hybrid_dir):

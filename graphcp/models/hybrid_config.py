@@ -84,3 +84,18 @@ def _layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:
         raise ConfigError(f"--model-path: layer_types must list {num_layers} entries, each "
                           f"{LINEAR!r} or {FULL!r}, got {types!r}")
     return tuple(types)
+
+
+def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
+    """What the hybrid models run with: zigzag CP (the state hand-off cuts each request into 2C
+    blocks; interleave would cut every linear-attention sequence token by token), no attention TP
+    (DeltaNet heads are not split), no PD transfer (it would have to carry the linear states)."""
+    if args.cp_size > 1 and args.cp_strategy != "zigzag":
+        raise ConfigError(f"--cp-strategy {args.cp_strategy}: hybrid linear-attention models need "
+                          "--cp-strategy zigzag")
+    if args.attn_tp_size > 1:
+        raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention TP 1 "
+                          "(--tp equal to --dp x --attn-cp-size)")
+    if args.disaggregation_mode != "null":
+        raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode}: hybrid linear-attention "
+                          "models do not transfer their linear states yet (use null)")
