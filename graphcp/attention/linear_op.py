@@ -2,8 +2,9 @@
 request's cached conv window and delta-rule state (zeros for a fresh request), whose final states go
 back to the pool. Under zigzag CP, graphcp/attention/linear_cp.py wraps the same steps.
 
-Every step is a tensor op on device lengths with a static ``max_len`` (no host sync), so the op can sit
-inside a captured graph segment; only the CP collectives are breaks where they cannot be captured.
+Every step is a tensor op on device lengths with a static ``max_len`` (no host sync), so the op can
+sit inside a captured graph segment; only the CP collectives are breaks where they cannot be
+captured.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpac
 class LinearBatch:
     """What the linear layers need of a batch: each request's new-token count (its rows are
     consecutive, in request order), its state slot and whether it starts fresh (no cached prefix);
-    ``max_len`` bounds the counts (the batch's longest eagerly, the bucket's capacity in a graph)."""
+    ``max_len`` bounds the counts (the batch's longest eagerly, the bucket's capacity in a
+    graph)."""
     lens: torch.Tensor       # [R] int64
     slots: torch.Tensor      # [R] int64, into LinearStatePool (0: the dummy slot of padding)
     fresh: torch.Tensor      # [R] bool

@@ -94,8 +94,8 @@ def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
         raise ConfigError(f"--cp-strategy {args.cp_strategy}: hybrid linear-attention models need "
                           "--cp-strategy zigzag")
     if args.attn_tp_size > 1:
-        raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention TP 1 "
-                          "(--tp equal to --dp x --attn-cp-size)")
+        raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention "
+                          "TP 1 (--tp equal to --dp x --attn-cp-size)")
     if args.disaggregation_mode != "null":
-        raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode}: hybrid linear-attention "
-                          "models do not transfer their linear states yet (use null)")
+        raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode}: hybrid "
+                          "linear-attention models do not transfer their linear states yet (use null)")
