@@ -59,9 +59,11 @@ class LinearStatePool:
         """(conv windows [R, K-1, conv_dim], states [R, Hv, dk, dv]) of ``slots``; zeros where
         ``fresh`` (a request with no cached prefix)."""
         i = self.layer_index[layer]
-        keep = ~fresh
-        window = self.conv[i].index_select(0, slots) * keep[:, None, None].to(self.conv.dtype)
-        state = self.recurrent[i].index_select(0, slots) * keep[:, None, None, None].float()
+        zero = torch.zeros((), device=fresh.device)
+        window = torch.where(fresh[:, None, None], zero.to(self.conv.dtype),
+                             self.conv[i].index_select(0, slots))
+        state = torch.where(fresh[:, None, None, None], zero,
+                            self.recurrent[i].index_select(0, slots))
         return window, state
 
     def write(self, layer: int, slots: torch.Tensor, window: torch.Tensor,
