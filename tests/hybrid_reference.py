@@ -82,6 +82,18 @@ class HybridHF:
         return out.logits[0].float(), layers
 
 
+class ByKind:
+    """The forward context's attention op of a hybrid model: each call goes to the op of its layer's
+    kind (the linear-attention op for Gated DeltaNet layers, ``full`` for the others)."""
+
+    def __init__(self, linear_layers: tuple[int, ...], linear, full) -> None:  # noqa: ANN001
+        self.linear_layers, self.linear, self.full = linear_layers, linear, full
+
+    def __call__(self, layer_id: int, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        op = self.linear if layer_id in self.linear_layers else self.full
+        return op(layer_id, *args, **kwargs)
+
+
 class LocalFullAttention:
     """Causal attention of each request over its cached and new K/V: the test stand-in for the
     engine's paged attention op, keeping K/V per (request, layer) across calls."""
@@ -159,9 +171,10 @@ def graph_equals_eager(op, mixer, inputs: list[torch.Tensor], pool,  # noqa: ANN
     the replay's outputs and pool states against an eager call on that batch."""
     from graphcp.graph.cpu import CpuCapture
     gen = torch.Generator().manual_seed(3)
-    out = op(*inputs, mixer).clone()                 # eager warmup: the output buffer's shape
+    layer = mixer.layer_id
+    out = op(layer, *inputs, mixer=mixer).clone()    # eager warmup: the output buffer's shape
     with CpuCapture() as capture:
-        out.copy_(op(*inputs, mixer))
+        out.copy_(op(layer, *inputs, mixer=mixer))
     graph = capture.finish([out, *inputs, pool.conv, pool.recurrent])
     next_batch()
     for t in (pool.conv, pool.recurrent):
@@ -171,5 +184,5 @@ def graph_equals_eager(op, mixer, inputs: list[torch.Tensor], pool,  # noqa: ANN
     replayed = out.clone(), pool.conv.clone(), pool.recurrent.clone()
     pool.conv.copy_(before[0])
     pool.recurrent.copy_(before[1])
-    eager = op(*inputs, mixer), pool.conv, pool.recurrent
+    eager = op(layer, *inputs, mixer=mixer), pool.conv, pool.recurrent
     return max(rel_err(a, b) for a, b in zip(replayed, eager))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hybrid_reference import (GatheredFullAttention, HybridHF, graph_equals_eager,
+from hybrid_reference import (ByKind, GatheredFullAttention, HybridHF, graph_equals_eager,
                               make_hybrid_checkpoint, rel_err)
 
 from graphcp.attention.linear_cp import ZigzagLinearAttention, ZigzagLinearBatch, exchange_bytes
@@ -30,7 +30,6 @@ from graphcp.cp import build_layout
 from graphcp.dist.comm import CPComm
 from graphcp.forward_context import forward_context
 from graphcp.kv.linear_state import LinearStatePool
-from graphcp.linear_context import linear_attention_context
 from graphcp.models import load_model
 
 TOL = 1e-4
@@ -76,13 +75,13 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
                   torch.rand(sum(lens), h.num_v_heads, generator=gen)]
         slots = [torch.tensor([p.allocate(r) for r in rids]) for p in pools]
         linear = LinearBatch(torch.tensor(lens), slots[0], fresh, max(lens))
-        ref = LocalLinearAttention(pools[0], linear)(*inputs, mixer)
+        ref = LocalLinearAttention(pools[0], linear)(0, *inputs, mixer=mixer)
         index, blocks, cap = _zigzag(comm.size, comm.rank, lens, prefix)
         garbage = [torch.randn((cap,) + x.shape[1:], generator=gen) for x in inputs]
         local = [_rows(x, index, cap, fill) for x, fill in zip(inputs, garbage)]
         zigzag = ZigzagLinearBatch(blocks, slots[1], fresh, int(blocks.max()))  # the longest block
         op = ZigzagLinearAttention(pools[1], zigzag, comm)
-        out = op(*local, mixer)
+        out = op(0, *local, mixer=mixer)
         assert op.num_exchanges == 2 and not out[len(index):].any()
         dims = (h.conv_kernel, h.conv_dim, h.num_v_heads, h.head_k_dim, h.head_v_dim)
         assert op.bytes_received == exchange_bytes(len(rids), comm.size, dims, conv_bytes=4)
@@ -140,8 +139,9 @@ def _model_check(model, comm: CPComm, reference: dict) -> dict:  # noqa: ANN001
         slots = torch.tensor([pool.allocate(r) for r in rids])
         # The local capacity bounds the blocks, as a graph bucket's would.
         linear = ZigzagLinearBatch(blocks, slots, torch.tensor([p == 0 for p in prefix]), cap)
-        with forward_context(GatheredFullAttention(kv, comm.group, rids, row_req, row_pos)), \
-                linear_attention_context(ZigzagLinearAttention(pool, linear, comm)):
+        ops = ByKind(h.linear_layers, ZigzagLinearAttention(pool, linear, comm),
+                     GatheredFullAttention(kv, comm.group, rids, row_req, row_pos))
+        with forward_context(ops):
             hidden = model(_rows(ids, index, cap, pad.clamp(min=0)), row_pos.clamp(min=0))
             logits = model.compute_logits(hidden)[:len(index)]
         theirs = torch.stack([reference[rids[q]][0][p] for q, p in

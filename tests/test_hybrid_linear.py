@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from fp8_checkpoint import make_fp8_checkpoint
-from hybrid_reference import (HybridHF, LocalFullAttention, graph_equals_eager,
+from hybrid_reference import (ByKind, HybridHF, LocalFullAttention, graph_equals_eager,
                               make_hybrid_checkpoint, rel_err)
 
 from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
@@ -22,7 +22,6 @@ from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError
 from graphcp.forward_context import forward_context
 from graphcp.kv.linear_state import LinearStatePool
-from graphcp.linear_context import linear_attention_context
 from graphcp.models import load_model, read_model_config
 from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
 from graphcp.models.hybrid_config import check_hybrid_flags
@@ -56,8 +55,10 @@ class Driver:
         slots = torch.tensor([self.pool.allocate(r) for r in rids])
         linear = LinearBatch(torch.tensor(lens), slots, torch.tensor([p == 0 for p in prefix]),
                              max(lens))
-        with forward_context(LocalFullAttention(self.kv, rids, lens)), \
-                linear_attention_context(LocalLinearAttention(self.pool, linear)):
+        linear_op = LocalLinearAttention(self.pool, linear)
+        ops = ByKind(self.model.config.hybrid.linear_layers, linear_op,
+                     LocalFullAttention(self.kv, rids, lens))
+        with forward_context(ops):
             logits = self.model.compute_logits(self.model(ids, positions))
         for r, n in zip(rids, lens):
             self.cached[r] = self.cached.get(r, 0) + n

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcp.attention.linear_op import mixer_inputs
+from graphcp.attention.linear_op import SequenceMixer, mixer_inputs
 from graphcp.dist.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
 from graphcp.kv.linear_state import LinearStatePool
-from graphcp.linear_context import SequenceMixer
 from graphcp.models.delta_rule import block_transition, causal_conv, unpack
 
 
@@ -108,12 +107,13 @@ class ZigzagLinearAttention:
         (_exchange if self.comm.capturable else _exchange_break)(self, out, local.contiguous())
         return out[self.index]
 
-    def __call__(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def __call__(self, layer_id: int, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  mixer: SequenceMixer) -> torch.Tensor:
+        """As ``LocalLinearAttention``: this rank's zigzag rows in, their outputs out."""
         rank, b = self.comm.rank, self.batch
         lens = b.local_lens(rank)           # read each call: a graph replay sees the live lengths
         late = 2 * self.comm.size - 1 - rank
-        window, state = self.pool.read(mixer.layer_id, b.slots, b.fresh)
+        window, state = self.pool.read(layer_id, b.slots, b.fresh)
         x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, b.max_len)
         width = window.shape[1]
         # Each local block's last K-1 inputs, right-aligned: rows len-K+1 .. len-1 (zeros before 0).
@@ -129,7 +129,7 @@ class ZigzagLinearAttention:
         starts, final_state = scan_states(state, maps[..., :-dv], maps[..., -dv:])
         start = torch.cat([starts[:, rank], starts[:, late]])
         o = o_zero + torch.einsum("sthk,shkv->sthv", q_eff, start)
-        self.pool.write(mixer.layer_id, b.slots, final_window, final_state)
+        self.pool.write(layer_id, b.slots, final_window, final_state)
         return unpack(o, lens, mixed_qkv.shape[0])
 
 

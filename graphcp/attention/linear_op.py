@@ -2,6 +2,11 @@
 request's cached conv window and delta-rule state (zeros for a fresh request), whose final states go
 back to the pool. Under zigzag CP, graphcp/attention/linear_cp.py wraps the same steps.
 
+A Gated DeltaNet layer calls the forward context's attention op as every layer does,
+``current_attention()(layer_id, mixed_qkv, g, beta, mixer=layer)``: the op owns the sequence
+dimension (states, conv window, CP hand-off), the layer its projections and heads
+(``SequenceMixer``).
+
 Every step is a tensor op on device lengths with a static ``max_len`` (no host sync), so the op can
 sit inside a captured graph segment; only the CP collectives are breaks where they cannot be
 captured.
@@ -9,12 +14,24 @@ captured.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from graphcp.kv.linear_state import LinearStatePool
-from graphcp.linear_context import SequenceMixer
 from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpack
+
+
+class SequenceMixer(Protocol):
+    """What the op asks of a Gated DeltaNet layer (graphcp/models/gated_deltanet.py)."""
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        """[conv_dim, kernel] depthwise conv weight over the q|k|v channels."""
+
+    def heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv output [S, T, conv_dim] -> q, k [S, T, Hv, dk] (l2-normalised, fp32, one per value
+        head) and v [S, T, Hv, dv]."""
 
 
 @dataclass
@@ -55,11 +72,13 @@ class LocalLinearAttention:
     def __init__(self, pool: LinearStatePool, batch: LinearBatch) -> None:
         self.pool, self.batch = pool, batch
 
-    def __call__(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def __call__(self, layer_id: int, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  mixer: SequenceMixer) -> torch.Tensor:
+        """This rank's rows: mixed_qkv [T, conv_dim] (before the conv), g (log decay) and beta
+        [T, Hv] -> the delta rule's output [T, Hv, dv], fp32 (zeros on padding rows)."""
         b = self.batch
-        window, state = self.pool.read(mixer.layer_id, b.slots, b.fresh)
+        window, state = self.pool.read(layer_id, b.slots, b.fresh)
         out, window, state = run_sequences(mixed_qkv, g, beta, mixer, b.lens, b.max_len, window,
                                            state)
-        self.pool.write(mixer.layer_id, b.slots, window, state)
+        self.pool.write(layer_id, b.slots, window, state)
         return out

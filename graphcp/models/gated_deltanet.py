@@ -1,9 +1,10 @@
 """The Gated DeltaNet layer of Qwen3-Next and Qwen3.5, HF weight names.
 
 Projections give, per token, the q|k|v conv inputs, the output gate z and the per-value-head b
-(beta = sigmoid(b)) and a (log decay g = -exp(A_log) * softplus(a + dt_bias)). The linear-attention
-op of the forward (graphcp/linear_context.py) runs the conv and the delta rule over the sequence
-with the request's states; the layer then applies the gated RMSNorm and out_proj.
+(beta = sigmoid(b)) and a (log decay g = -exp(A_log) * softplus(a + dt_bias)). The forward context's
+attention op for this layer (graphcp/attention/linear_op.py, linear_cp.py under CP) runs the conv
+and the delta rule over the sequence with the request's states; the layer then applies the gated
+RMSNorm and out_proj.
 
 Qwen3-Next packs in_proj_qkvz and in_proj_ba per key head ([q, k, v-group, z-group] for each key
 head); Qwen3.5 keeps four projections with q, k and v side by side. The conv channels are q|k|v
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from graphcp.linear_context import current_linear_attention
+from graphcp.forward_context import current_attention
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig
 from graphcp.models.delta_rule import l2norm
@@ -98,6 +99,6 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = current_linear_attention()(mixed, g, beta, self).to(x.dtype)
+        core = current_attention()(self.layer_id, mixed, g, beta, mixer=self).to(x.dtype)
         out = self.norm(core.reshape(-1, self.cfg.head_v_dim), z.reshape(-1, self.cfg.head_v_dim))
         return project(out.reshape(x.shape[0], -1), self.out_proj)

@@ -98,4 +98,5 @@ def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
                           "TP 1 (--tp equal to --dp x --attn-cp-size)")
     if args.disaggregation_mode != "null":
         raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode}: hybrid "
-                          "linear-attention models do not transfer their linear states yet (use null)")
+                          "linear-attention models do not transfer their linear states yet "
+                          "(use null)")
