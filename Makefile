@@ -51,8 +51,9 @@ profile: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m graphcp soak --batches 1000
 
-gpu-check: $(STAMP)
-	$(PY) profiles/gpu_check.py --out profiles/out
+# The GPU machine's own python3 (its CUDA torch, no network there): no venv, nothing pip-installed.
+gpu-check:
+	python3 profiles/gpu_check.py --out profiles/out
 
 clean:
 	rm -rf $(VENV) profiles/out .pytest_cache

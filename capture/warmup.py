@@ -21,18 +21,15 @@ from graphcp.cp.strategy import ContextParallelStrategy, make_strategy  # noqa: 
 from graphcp.models import read_model_config  # noqa: E402
 
 
-def batch_for_bucket(bucket: int, strategy: ContextParallelStrategy, req_cap: int, vocab: int,
-                     seed: int) -> list[Request]:
-    """Requests whose largest per-rank count lands in (bucket/2, bucket], so that bucket is replayed."""
+def batch_for_bucket(bucket: int, strategy: ContextParallelStrategy, req_cap: int, max_context: int,
+                     vocab: int, seed: int) -> list[Request]:
+    """Fresh requests that this bucket serves: the strategy's own rule for a batch that fills a bucket
+    (the one the engine captures with), without cached prefixes."""
+    dummy = strategy.dummy_batch(bucket, req_cap, max_context, seed, prefixes=False)
+    if dummy is None:
+        raise ValueError(f"no batch of <= {req_cap} requests within {max_context} tokens fills bucket {bucket}")
     rng = random.Random(seed)
-    cp = strategy.cp_size
-    for n_req in range(min(req_cap, 4), 0, -1):
-        length = max(strategy.min_request_len, bucket * cp * 9 // (10 * n_req))
-        lens = [length] * n_req
-        need = max(strategy.per_rank_tokens(lens))
-        if bucket // 2 < need and strategy.aligned(need) <= bucket:
-            return [Request(f"warmup{i}", [rng.randrange(vocab) for _ in range(n)]) for i, n in enumerate(lens)]
-    raise ValueError(f"no batch fills bucket {bucket}")
+    return [Request(f"warmup{i}", [rng.randrange(vocab) for _ in range(n)]) for i, n in enumerate(dummy[0])]
 
 
 def _once(engine: Engine, batch: list[Request], force_eager: bool = False):  # noqa: ANN202
@@ -72,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"warmup: {e}", file=sys.stderr)
         return 2
-    vocab = read_model_config(args.model_path).vocab_size
+    cfg = read_model_config(args.model_path)
+    vocab = cfg.vocab_size
     buckets = []
     with Engine(args) as engine:
         stats = engine.stats()
+        max_context = min(cfg.max_position_embeddings, stats["kv_tokens_total"])
         if stats["eager_reason"]:
             print(f"warmup: this configuration runs eagerly ({stats['eager_reason']}); nothing to capture",
                   file=sys.stderr)
@@ -86,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             if rec["error"]:
                 entry["error"] = rec["error"]
             else:
-                strategy = make_strategy(args.cp_strategy or "zigzag", args.cp_size)
-                batch = batch_for_bucket(rec["tokens"], strategy, args.max_batch_requests, vocab, rec["tokens"])
+                strategy = make_strategy(args.resolved_cp_strategy, args.cp_size)
+                batch = batch_for_bucket(rec["tokens"], strategy, args.max_batch_requests, max_context, vocab,
+                                         rec["tokens"])
                 graph = _once(engine, batch)
                 eager = _once(engine, batch, force_eager=True)
                 spread = eager_spread(engine, batch, eager.logits, strategy, vocab)

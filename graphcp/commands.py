@@ -3,39 +3,33 @@ the engine merges the ranks' replies into one answer."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from graphcp.batch import PrefillOutput, RankReply
 
+if TYPE_CHECKING:
+    from graphcp.runner import ModelRunner
 
-def _prefill(runner, payload: tuple) -> RankReply | None:  # noqa: ANN001
+
+def _prefill(runner: "ModelRunner", payload: tuple) -> RankReply | None:
     requests, count_ops, force_eager = payload
     reply = runner.prefill(requests, count_ops=count_ops, force_eager=force_eager)
-    return reply if runner.me.is_output and runner.par.last_stage else None
+    return reply if runner.answers else None
 
 
-def _release(runner, rid: str) -> None:  # noqa: ANN001
-    runner.release(rid)
-
-
-def _transfer_kv(runner, payload: tuple) -> dict | None:  # noqa: ANN001
-    from graphcp.pd.sender import transfer_kv
-    return transfer_kv(runner, *payload)
-
-
-COMMANDS: dict[str, Callable[[Any, Any], Any]] = {
+COMMANDS: dict[str, Callable[["ModelRunner", Any], Any]] = {
     "prefill": _prefill,
     "kv_cache": lambda runner, rid: runner.kv_cache(rid),
-    "release": _release,
+    "release": lambda runner, rid: runner.release(rid),
     "stats": lambda runner, _: runner.stats(),
     "counters": lambda runner, _: runner.collective_counts(),
-    "transfer_kv": _transfer_kv,                # PD prefill worker (graphcp/pd/sender.py)
+    "transfer_kv": lambda runner, payload: runner.transfer_kv(*payload),    # PD prefill worker
 }
 
 
-def execute(runner, cmd: str, payload: Any, over_ipc: bool = False) -> Any:  # noqa: ANN001
+def execute(runner: "ModelRunner", cmd: str, payload: Any, over_ipc: bool = False) -> Any:
     """Run one command on this rank. ``over_ipc``: logits travel as numpy (plain bytes, cheaper than
     torch's shared-memory tensor passing for a few rows)."""
     if cmd not in COMMANDS:
@@ -54,7 +48,7 @@ def merge(cmd: str, replies: list[Any]) -> Any:
     if cmd == "prefill":
         return _merge_prefill([r for r in replies if r is not None])
     if cmd == "kv_cache":      # CP ranks hold the same cache, except under LayerSplit (each its own layers)
-        return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["layer_split"])])
+        return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["some_layers"])])
     if cmd == "transfer_kv":
         from graphcp.pd.sender import merge_reports
         return merge_reports(replies)

@@ -7,13 +7,16 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from graphcp.errors import ConfigError
+from graphcp.kernels.registry import ATTENTION_CHOICES
 from graphcp.models.gguf import check_file, is_gguf
 
 STRATEGIES = ("zigzag", "interleave")
 BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
-KERNELS = ("auto", "flashinfer", "triton", "torch")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cuda", "cpu")
 MOE_A2A_BACKENDS = ("none", "all_to_all")
 DISAGGREGATION_MODES = ("null", "prefill")
@@ -75,7 +78,7 @@ class EngineArgs:
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--device", self.device, DEVICES)
         _choice("--attention-backend", self.attention_backend, BACKENDS)
-        _choice("--attention-kernel", self.attention_kernel, KERNELS)
+        _choice("--attention-kernel", self.attention_kernel, ATTENTION_CHOICES)
         if self.cp_strategy is not None:
             _choice("--cp-strategy", self.cp_strategy, STRATEGIES)
         for flag, value in (("--tp", self.tp_size), ("--dp", self.dp_size), ("--pp", self.pp_size),
@@ -154,10 +157,14 @@ class EngineArgs:
     def expert_tp_size(self) -> int:
         return self.tp_size // self.ep_size
 
+    @property
+    def resolved_cp_strategy(self) -> str:
+        """The layout: the one asked for, or zigzag (a one-rank zigzag when CP is off)."""
+        return self.cp_strategy or "zigzag"
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_backend(self) -> str:
@@ -177,50 +184,55 @@ class EngineArgs:
     # -- CLI --------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
-        add = parser.add_argument
+        add, d = parser.add_argument, _DEFAULTS
         add("--model-path", required=require_model,
             help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
-        add("--dtype", default="auto", choices=DTYPES)
-        add("--device", default="auto", choices=DEVICES)
-        add("--tp", "--tp-size", dest="tp_size", type=int, default=1)
-        add("--dp", "--dp-size", dest="dp_size", type=int, default=1)
-        add("--pp", "--pp-size", dest="pp_size", type=int, default=1)
-        add("--attn-cp-size", type=int, default=1)
+        add("--dtype", default=d["dtype"], choices=DTYPES)
+        add("--device", default=d["device"], choices=DEVICES)
+        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"])
+        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"])
+        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"])
+        add("--attn-cp-size", type=int, default=d["attn_cp_size"])
         add("--enable-prefill-cp", action="store_true")
-        add("--cp-strategy", default=None, help="zigzag | interleave")
-        add("--attention-backend", default="auto", help="auto | trtllm_mha | flashattention | torch")
-        add("--attention-kernel", default="auto",
+        add("--cp-strategy", default=d["cp_strategy"], help="zigzag | interleave")
+        add("--attention-backend", default=d["attention_backend"],
+            help="auto | trtllm_mha | flashattention | torch")
+        add("--attention-kernel", default=d["attention_kernel"],
             help="auto (flashinfer where installed and it fits, else Triton on CUDA, torch on CPU) | flashinfer | "
                  "triton | torch")
         add("--disable-cuda-graph", action="store_true")
-        add("--cuda-graph-buckets", type=int, nargs="+", default=None,
+        add("--cuda-graph-buckets", type=int, nargs="+", default=d["cuda_graph_buckets"],
             help="CP-local padded token counts to capture, e.g. 32 64 128")
-        add("--page-size", type=int, default=16)
-        add("--max-total-tokens", type=int, default=None)
-        add("--capture-plan", default=None)
-        add("--max-batch-requests", type=int, default=8, help="static request capacity of the graphs")
-        add("--rank-timeout", dest="rank_timeout_s", type=float, default=60.0,
+        add("--page-size", type=int, default=d["page_size"])
+        add("--max-total-tokens", type=int, default=d["max_total_tokens"])
+        add("--capture-plan", default=d["capture_plan"])
+        add("--max-batch-requests", type=int, default=d["max_batch_requests"],
+            help="static request capacity of the graphs")
+        add("--rank-timeout", dest="rank_timeout_s", type=float, default=d["rank_timeout_s"],
             help="seconds before a silent rank makes prefill fail")
-        add("--ffn-tp-size", type=int, default=None,
+        add("--ffn-tp-size", type=int, default=d["ffn_tp_size"],
             help="dense FFN TP size: the TP world (default) or the attention TP size (FFN replicated per CP rank)")
-        add("--ep", "--ep-size", dest="ep_size", type=int, default=1,
+        add("--ep", "--ep-size", dest="ep_size", type=int, default=d["ep_size"],
             help="expert-parallel size: experts split over ep ranks, expert TP = tp / ep")
-        add("--moe-a2a-backend", default="none",
+        add("--moe-a2a-backend", default=d["moe_a2a_backend"],
             help="MoE token flow: none (all-gather, local experts, reduce-scatter) | all_to_all (dispatch/combine)")
 
-        add("--disaggregation-mode", default="null", help="null | prefill (a PD prefill worker: transfer_kv)")
-        add("--disaggregation-transfer-backend", default="mooncake", help="mooncake | mooncake_tcp")
-        add("--disaggregation-transfer-protocol", default="auto",
+        add("--disaggregation-mode", default=d["disaggregation_mode"],
+            help="null | prefill (a PD prefill worker: transfer_kv)")
+        add("--disaggregation-transfer-backend", default=d["disaggregation_transfer_backend"],
+            help="mooncake | mooncake_tcp")
+        add("--disaggregation-transfer-protocol", default=d["disaggregation_transfer_protocol"],
             help="auto (rdma on CUDA where an RDMA device exists, else tcp) | tcp | rdma")
-        add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float, default=30.0,
+        add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float,
+            default=d["disaggregation_transfer_timeout_s"],
             help="seconds a KV transfer may make no progress before it fails with TransferError")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
         add("--enable-adaptive-cp", action="store_true",
             help="per batch: short requests whole on one CP rank (balanced), long ones zigzag")
-        add("--adaptive-cp-threshold", type=int, default=None,
+        add("--adaptive-cp-threshold", type=int, default=d["adaptive_cp_threshold"],
             help="new tokens from which adaptive CP splits a request (default: from the cost model)")
-        add("--speculative-aux-hidden-layers", type=int, nargs="+", default=None,
+        add("--speculative-aux-hidden-layers", type=int, nargs="+", default=d["speculative_aux_hidden_layers"],
             help="layer ids whose incoming residual stream prefill returns (out.aux_hidden_states), e.g. 1 5 9")
 
     @classmethod
@@ -235,6 +247,13 @@ class EngineArgs:
         return cls.from_namespace(parser.parse_args(list(argv)))
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``--dtype``: auto is bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[name]
+
+
 def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelConfig
     """The flags that depend on the model, checked before any allocation."""
     atp = args.attn_tp_size
@@ -247,6 +266,9 @@ def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelCo
     if bad:
         raise ConfigError(f"--speculative-aux-hidden-layers: layer id {bad[0]} is out of range; the model "
                           f"has layers 0..{cfg.num_hidden_layers - 1}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}     # one place for each default
 
 
 class _RaisingParser(argparse.ArgumentParser):

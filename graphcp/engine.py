@@ -19,7 +19,7 @@ from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
 from graphcp.dist.procs import child_env, free_port, rss_bytes
-from graphcp.errors import ConfigError, EngineDeadError, RequestError, TransferError
+from graphcp.errors import DEAD, WIRE_KINDS, ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")
 
@@ -64,8 +64,11 @@ class Engine:
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.world_size > 1:                 # model-dependent flags, before any rank process starts
-            from graphcp.runner import check_model_flags
+            from graphcp.models.flags import check_model_flags
             check_model_flags(args)
+        if args.attention_kernel == "triton" and args.resolved_device() == "cpu":
+            from graphcp.kernels.registry import use_triton_interpreter
+            use_triton_interpreter()            # before triton is imported here or in a rank process
         if self._spmd:
             self._join_torchrun()
         elif args.world_size == 1:
@@ -132,14 +135,14 @@ class Engine:
         replies: list[Any] = [None] * len(self._workers)
         pending = {conn: rank for rank, (_, conn) in enumerate(self._workers)}
         errors: list[tuple[str, str]] = []
-        while pending and not any(k == "dead" for k, _ in errors):
+        while pending and not any(k == DEAD for k, _ in errors):
             ready = connection_wait(list(pending), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
                     kind, payload = conn.recv()
                 except (EOFError, OSError):
-                    kind, payload = "dead", f"rank {rank} closed its connection"
+                    kind, payload = DEAD, f"rank {rank} closed its connection"
                 if kind in ("ok", "ready"):
                     replies[rank] = payload
                 else:
@@ -148,16 +151,17 @@ class Engine:
                 proc = self._workers[rank][0]
                 if not proc.is_alive() and not conn.poll():
                     pending.pop(conn)
-                    errors.append(("dead", f"rank {rank} exited with code {proc.exitcode}"))
+                    errors.append((DEAD, f"rank {rank} exited with code {proc.exitcode}"))
             if pending and time.monotonic() > deadline:
-                errors.append(("dead", f"ranks {sorted(pending.values())} did not answer within {timeout:.0f} s"))
+                errors.append((DEAD, f"ranks {sorted(pending.values())} did not answer within {timeout:.0f} s"))
         if errors:
             kinds = {k for k, _ in errors}
-            if kinds == {"request_error"}:
+            request, transfer, config = (WIRE_KINDS[c] for c in (RequestError, TransferError, ConfigError))
+            if kinds == {request}:
                 raise RequestError(errors[0][1])
-            if kinds <= {"request_error", "transfer_error"}:      # PD: a failed transfer; the engine keeps serving
-                raise TransferError(next(p for k, p in errors if k == "transfer_error"))
-            if kinds == {"config_error"}:
+            if kinds <= {request, transfer}:      # PD: a failed transfer; the engine keeps serving
+                raise TransferError(next(p for k, p in errors if k == transfer))
+            if kinds == {config}:
                 self.close()
                 raise ConfigError(errors[0][1])
             self._dead = "; ".join(p.splitlines()[0] for _, p in errors)
@@ -258,6 +262,8 @@ class Engine:
                 dist.barrier()
             dist.destroy_process_group()
             self._owns_group = False
+        if self._runner is not None:
+            self._runner.close()            # graphs, pool and weights freed now, not at a later collection
         self._runner = None
 
     def __enter__(self) -> "Engine":

@@ -1,35 +1,85 @@
-"""ForwardBatch: everything one forward needs, passed down the call (never shared by reference).
+"""What one forward runs on, passed down the call (never shared by reference).
 
-The device side is the raw batch descriptors (static graph buffers when replayed); the host side is the
-few maxima that kernels run in graph breaks need. A graph replay hands the live batch's ``HostMaxima`` to
-its breaks in place of the capture batch's, so a break always sees the batch it serves.
+``BatchInputs`` is a batch as the host holds it; ``Descriptors`` are its raw descriptors packed in one
+int64 tensor (one host-to-device copy per forward), filled from it (the graph runner's static ones for a
+replay, fresh ones for an eager forward). ``ForwardBatch`` is what the forward reads: the descriptors,
+the layout the planner decided (``cp.strategy.LayoutPlan``: strategy, local capacity, host maxima), and
+where speculative aux rows go.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
 
-    from graphcp.cp.strategy import ContextParallelStrategy
-    from graphcp.graph.buffers import Descriptors
+if TYPE_CHECKING:
+    from graphcp.cp.strategy import LayoutPlan
 
 
 @dataclass
-class HostMaxima:
-    """Host-side maxima of one batch (break arguments) and a per-forward scratch for kernels."""
-    max_q: int = 0
-    max_kv: int = 0
-    early_rows: int = 0     # zigzag: local rows held by early blocks (the flashattention path splits there)
-    workspace: dict = field(default_factory=dict)   # per-forward values kernels share across layers
+class BatchInputs:
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    page_rows: list                       # per request, its page ids (int64 arrays)
+    ids: list[torch.Tensor]             # per request, its new token ids
+    whole_on: list[int] | None = None     # adaptive CP placement (see cp/adaptive.py)
+
+
+@dataclass
+class Descriptors:
+    packed: torch.Tensor
+    extend_lens: torch.Tensor    # [req_cap]   new tokens per request (0 for padding requests)
+    prefix_lens: torch.Tensor    # [req_cap]   cached tokens per request
+    whole_on: torch.Tensor       # [req_cap]   0: split by the layout; r + 1: whole on CP rank r (adaptive)
+    page_table: torch.Tensor     # [req_cap, pages_cap] page ids (0 = the reserved dummy page)
+    input_ids: torch.Tensor      # [ids_cap]   the batch's new tokens, flattened in request order
+
+    @classmethod
+    def allocate(cls, req_cap: int, pages_cap: int, ids_cap: int, device: torch.device | str = "cpu",
+                 pin: bool = False) -> "Descriptors":
+        packed = torch.zeros(3 * req_cap + req_cap * pages_cap + ids_cap, dtype=torch.long, device=device,
+                             pin_memory=pin)
+        a, b, c = req_cap, 2 * req_cap, 3 * req_cap + req_cap * pages_cap
+        return cls(packed, packed[:a], packed[a:b], packed[b:b + a], packed[b + a:c].view(req_cap, pages_cap),
+                   packed[c:])
+
+    @classmethod
+    def for_batch(cls, batch: BatchInputs) -> "Descriptors":
+        """Host descriptors sized for one batch (an eager forward builds its metadata on the host)."""
+        desc = cls.allocate(len(batch.extend_lens), max(1, max(len(r) for r in batch.page_rows)),
+                            max(1, sum(batch.extend_lens)))
+        desc.set(batch)
+        return desc
+
+    def set(self, batch: BatchInputs) -> None:
+        self.fill(batch.extend_lens, batch.prefix_lens, batch.page_rows, batch.ids, batch.whole_on)
+
+    def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
+             ids: list[torch.Tensor], whole_on: list[int] | None = None) -> None:
+        """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
+        No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
+        packed = self.packed.numpy()
+        ids_start = packed.shape[0] - self.input_ids.shape[0]
+        packed[:ids_start] = 0           # ids past the batch's are never read (padding rows read row 0)
+        n = len(extend_lens)
+        cap = self.extend_lens.shape[0]
+        packed[:n] = extend_lens
+        packed[cap:cap + n] = prefix_lens
+        if whole_on is not None:
+            packed[2 * cap:2 * cap + n] = whole_on
+        widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=len(page_rows))
+        if widths.sum():
+            table = self.page_table.numpy()
+            used = np.arange(table.shape[1])[None, :] < widths[:, None]
+            table[:len(page_rows)][used] = np.concatenate(page_rows)      # rows are int64 arrays
+        total = sum(t.numel() for t in ids)
+        torch.cat(ids, out=self.input_ids[:total])
 
 
 @dataclass
 class ForwardBatch:
     inputs: "Descriptors"                 # device descriptors: lengths, page rows, token ids
-    strategy: "ContextParallelStrategy"   # the layout this batch runs with (unsharded when CP is off)
-    local_cap: int                        # rows of this rank's padded buffers (the bucket when graphed)
-    host: HostMaxima
-    bucket: int | None = None             # the graph bucket replayed, None when eager
-    aux_out: "torch.Tensor | None" = None  # speculative aux hidden states land here (static when graphed)
+    plan: "LayoutPlan"                    # the layout this batch runs with, decided once by the planner
+    aux_out: torch.Tensor | None = None  # speculative aux hidden states land here (static when graphed)

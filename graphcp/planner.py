@@ -7,24 +7,28 @@ rollback), so a failed forward leaves no trace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
 
 from graphcp.batch import Request, validate_requests
-from graphcp.cp.strategy import ContextParallelStrategy, make_strategy, unsharded
+from graphcp.config import EngineArgs
+from graphcp.cp.strategy import LayoutPlan
+from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 from graphcp.errors import RequestError
+from graphcp.forward_batch import BatchInputs
 from graphcp.graph.runner import select_bucket
 from graphcp.kv.pages import PageTable
 
 
-def config_ineligibility(args, backend: str, dsa: bool = False) -> str | None:  # noqa: ANN001
-    """The one eligibility predicate for configurations; None means graphs are used."""
+def config_ineligibility(args: EngineArgs, backend: str, model_reason: str | None = None) -> str | None:
+    """The one eligibility predicate for configurations; None means graphs are used. ``model_reason``:
+    why the model's layer kinds run eagerly (``AttentionBackend.graph_reason``)."""
     if args.disable_cuda_graph:
         return "graphs disabled by --disable-cuda-graph"
-    if dsa:
-        return "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"
+    if model_reason is not None:
+        return model_reason
     if args.pp_size > 1:
         return "pp_size > 1"
     if args.dp_size > 1:
@@ -47,16 +51,35 @@ class BatchPlan:
     ids: list[torch.Tensor]
     extend_lens: list[int]
     prefix_lens: list[int]
-    strategy: ContextParallelStrategy
-    cp_applied: bool
-    per_rank_tokens: list[int]
+    layout: LayoutPlan           # decided once: strategy, per-rank tokens, local capacity, host maxima
     bucket: int | None
     eager_reason: str | None
     indices: list[int]           # positions of these requests in the caller's batch (DP splits batches)
-    local_cap: int               # rows of this rank's padded buffers (eager)
     dp_groups: list[int]         # DP group of every request of the batch
     all_rids: list[str] = field(default_factory=list)
     all_extend_lens: list[int] = field(default_factory=list)
+
+    @property
+    def strategy(self) -> ContextParallelStrategy:
+        return self.layout.strategy
+
+    @property
+    def cp_applied(self) -> bool:
+        return self.layout.cp_applied
+
+    @property
+    def per_rank_tokens(self) -> list[int]:
+        return self.layout.per_rank_tokens
+
+    @property
+    def local_cap(self) -> int:
+        return self.layout.local_cap
+
+    def inputs(self, page_rows: list) -> BatchInputs:
+        """The descriptors' source; a DP group without requests joins with one zero-length request."""
+        if not self.rids:
+            return BatchInputs([0], [0], [[]], [torch.zeros(0, dtype=torch.long)])
+        return BatchInputs(self.extend_lens, self.prefix_lens, page_rows, self.ids, self.layout.whole_on)
 
 
 @dataclass
@@ -68,8 +91,8 @@ class PageTransaction:
 class Planner:
     def __init__(self, strategy: ContextParallelStrategy, cp_size: int, dp_size: int, dp_rank: int,
                  vocab_size: int, num_pages: int, page_size: int, max_context: int,
-                 max_batch_requests: int) -> None:
-        self.strategy, self.cp_size, self.dp_rank = strategy, cp_size, dp_rank
+                 max_batch_requests: int, cp_rank: int = 0) -> None:
+        self.strategy, self.cp_size, self.dp_rank, self.cp_rank = strategy, cp_size, dp_rank, cp_rank
         self.vocab_size, self.max_batch_requests = vocab_size, max_batch_requests
         self.dp_pages = [PageTable(num_pages, page_size, max_context) for _ in range(dp_size)]
         self.pages = self.dp_pages[dp_rank]
@@ -105,42 +128,27 @@ class Planner:
             rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
             ext = [all_ext[i] for i in indices]
         prefix = [self.pages.prefix_len(r) for r in rids]
-        strategy, cp_applied = self.strategy.for_batch(ext, prefix), self.cp_size > 1
-        if cp_applied and not strategy.applies(ext):
-            strategy, cp_applied = unsharded(), False
+        layout = self.strategy.plan(ext, prefix, self.cp_rank)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
-        if len(self.dp_pages) == 1:
-            local_cap = self._local_cap(list(zip(ext, prefix)))
-        else:
-            local_cap = max(self._local_cap([(n, self.dp_pages[g].prefix_len(r))
-                                             for r, n, d in zip(all_rids, all_ext, groups) if d == g])
-                            for g in range(len(self.dp_pages)))
-        # Unsharded, every rank holds the whole batch.
-        counts = strategy.per_rank_tokens(ext) if cp_applied else [sum(ext)] * self.cp_size
+        if len(self.dp_pages) > 1:
+            caps = [self.strategy.plan([n for n, d in zip(all_ext, groups) if d == g],
+                                       [self.dp_pages[g].prefix_len(r) for r, d in zip(all_rids, groups) if d == g],
+                                       self.cp_rank).local_cap if g != self.dp_rank else layout.local_cap
+                    for g in range(len(self.dp_pages))]
+            layout = replace(layout, local_cap=max(caps))
         bucket, reason = None, graph_reason
         if reason is None and force_eager:
             reason = "eager forced by the caller (force_eager=True)"
         if reason is None:
-            if self.cp_size > 1 and not cp_applied:
-                reason = self.strategy.unsharded_reason()
+            if layout.unsharded_reason is not None:
+                reason = layout.unsharded_reason
             elif len(rids) > self.max_batch_requests:
                 reason = (f"{len(rids)} requests exceed the graphs' capacity of {self.max_batch_requests} "
                           f"(--max-batch-requests)")
             else:
-                real = max(counts)
-                bucket, reason = select_bucket(list(buckets), real, strategy.aligned(real), failures)
-        return BatchPlan(rids, ids, ext, prefix, strategy, cp_applied, counts, bucket, reason, indices,
-                         local_cap, groups, all_rids, all_ext)
-
-    def _local_cap(self, requests: list[tuple[int, int]]) -> int:
-        """Rows of one rank's padded buffers for a DP group's (new, prefix) lengths (>= 1 so empty groups
-        can join)."""
-        if not requests:
-            return 1
-        extend_lens = [n for n, _ in requests]
-        if self.cp_size > 1 and self.strategy.applies(extend_lens):
-            return self.strategy.for_batch(extend_lens, [p for _, p in requests]).local_capacity(extend_lens)
-        return sum(extend_lens)
+                real = max(layout.per_rank_tokens)
+                bucket, reason = select_bucket(list(buckets), real, layout.strategy.aligned(real), failures)
+        return BatchPlan(rids, ids, ext, prefix, layout, bucket, reason, indices, groups, all_rids, all_ext)
 
     # -- pages -----------------------------------------------------------------------------------
     def allocate(self, plan: BatchPlan) -> PageTransaction:

@@ -1,8 +1,10 @@
-"""NVTX ranges (the nvtx package; free when no profiler is attached), GPU memory readings, and the
-host-op counter that ``graphcp bench`` reads.
+"""NVTX ranges (the nvtx package; free when no profiler is attached), memory readings (this
+process's from torch, the whole GPU's from NVML), and the host-op counter that ``graphcp bench``
+reads.
 
-Every range is also a ``torch.profiler.record_function`` range while a torch profiler is recording, so
-Nsight and ``graphcp profile`` see the same names. Outside a torch profiler that costs one flag check.
+Every range is also a ``torch.profiler.record_function`` range while a torch profiler is recording,
+so Nsight and ``graphcp profile`` see the same names. Outside a torch profiler that costs one flag
+check.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphcp.dist.procs import rss_bytes
 
 try:
     import nvtx as _nvtx
@@ -48,17 +52,47 @@ def nvtx_range(name: str) -> Iterator[None]:
             yield
 
 
-def gpu_memory_used(device_index: int = 0) -> int | None:
-    """Bytes in use on the GPU by pynvml, or None where no NVIDIA driver is present."""
+def nvml_bus_id(device: torch.device) -> str | None:
+    """The PCI bus id NVML names ``device`` by ("00000000:3B:00.0"). CUDA and NVML number devices
+    differently (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER): an index is never passed between them."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    try:
+        domain, bus, dev = props.pci_domain_id, props.pci_bus_id, props.pci_device_id
+    except AttributeError:          # a torch without the PCI fields: no safe mapping
+        return None
+    return f"{domain:08X}:{bus:02X}:{dev:02X}.0"
+
+
+def gpu_memory_used(device: torch.device) -> int | None:
+    """Bytes in use on the whole GPU behind ``device`` (every process on it: another rank sharing
+    the GPU counts too), by NVML; None without pynvml, a driver, or a known bus id."""
     try:
         import pynvml
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError without a driver, ImportError without the package
+    except ImportError:
         return None
     try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device_index)).used)
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:        # no driver
+        return None
+    try:
+        bus_id = nvml_bus_id(device)
+        if bus_id is None:
+            return None
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except pynvml.NVMLError:
+        return None
     finally:
         pynvml.nvmlShutdown()
+
+
+def process_memory(device: torch.device) -> int:
+    """Bytes this process holds for ``device``: torch's reserved pool on CUDA (what a capture adds
+    to, whatever else runs on the GPU), resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    return rss_bytes()
 
 
 # -- host-op counter ------------------------------------------------------------------------------

@@ -8,13 +8,17 @@ import sys
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from graphcp.commands import execute
 from graphcp.config import EngineArgs
-from graphcp.errors import ConfigError, RequestError, TransferError
+from graphcp.errors import FAULT, ConfigError, wire_kind
+
+if TYPE_CHECKING:
+    from graphcp.runner import ModelRunner
 
 
 def rank_device(args: EngineArgs, rank: int) -> torch.device:
@@ -50,17 +54,18 @@ def worker_main(rank: int, world: int, args: EngineArgs, init_method: str, conn:
         init_group(args, rank, world, init_method)
         runner = ModelRunner(args, rank, rank_device(args, rank), capture_progress=rank == 0)
     except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
-        conn.send(("config_error", str(e)) if isinstance(e, ConfigError) else ("error", _describe(e)))
+        conn.send((wire_kind(e), str(e) if isinstance(e, ConfigError) else _describe(e)))
         return
     conn.send(("ready", runner.stats()))
     try:
         _serve(runner, rank, conn, parent_pid)
     finally:
+        runner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noqa: ANN001
+def _serve(runner: "ModelRunner", rank: int, conn: Connection, parent_pid: int) -> None:
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent_pid:      # the engine died: do not linger as an orphan
@@ -77,12 +82,9 @@ def _serve(runner, rank: int, conn: Connection, parent_pid: int) -> None:  # noq
             return
         try:
             conn.send(("ok", execute(runner, cmd, payload, over_ipc=True)))
-        except RequestError as e:
-            conn.send(("request_error", str(e)))
-        except TransferError as e:
-            conn.send(("transfer_error", str(e)))
-        except Exception as e:  # noqa: BLE001
-            conn.send(("error", _describe(e)))
+        except Exception as e:  # noqa: BLE001 - every error goes back to the engine, which raises it
+            kind = wire_kind(e)
+            conn.send((kind, str(e) if kind != FAULT else _describe(e)))
 
 
 def main() -> None:

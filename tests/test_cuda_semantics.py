@@ -11,7 +11,7 @@ import torch
 
 from graphcp.attention.op import _attend_break
 from graphcp.kernels.registry import KERNELS, KernelArgs
-from graphcp.forward_batch import HostMaxima
+from graphcp.cp.plan import HostMaxima
 from graphcp.graph import cuda as cuda_backend
 from graphcp.graph.cpu import CpuCapture
 from graphcp.graph.protocol import capture_active, graph_break
@@ -24,7 +24,7 @@ def _paged_forward(lens: torch.Tensor, q: torch.Tensor, pool: torch.Tensor, out:
     limits = _limits(lens)
     rows = torch.zeros(2, 1, dtype=torch.long) + torch.arange(2)[:, None]
     args = KernelArgs(q, pool, pool, cu, rows, limits, out, page_size=8, scale=0.5)
-    _attend_break(KERNELS["torch"], args, HostMaxima(max_q=5, max_kv=5), False)
+    _attend_break(KERNELS["torch"], args, HostMaxima(max_q=5, max_kv=5), 0)
 
 
 def _limits(lens: torch.Tensor) -> torch.Tensor:
@@ -146,22 +146,12 @@ def test_failed_capture_continues_with_a_fresh_pool(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: modes.append(m))
 
-    class Target:
-        def prepare_for_capture(self, bucket, seed):  # noqa: ANN001, ANN201
-            return types.SimpleNamespace(host=object())
-
-        def forward(self, batch):  # noqa: ANN001, ANN201
-            return torch.zeros(1)
-
-        def static_tensors(self):  # noqa: ANN201
-            return []
-
-        def has_collective_breaks(self):  # noqa: ANN201
-            return False
-
-    runner = GraphRunner(Target(), torch.device("cuda"), torch.zeros(1), agree=lambda ok: ok)
-    monkeypatch.setattr("graphcp.graph.runner._memory", lambda device: 0)
-    runner.capture_all([16, 32])
+    inputs = types.SimpleNamespace(set_batch=lambda batch: None, static=None, aux=None, logits=torch.zeros(1),
+                                   tensors=lambda: [])
+    runner = GraphRunner(lambda batch: torch.zeros(1), inputs, torch.device("cuda"), agree=lambda ok: ok,
+                         collective_breaks=False)
+    monkeypatch.setattr("graphcp.graph.runner.process_memory", lambda device: 0)
+    runner.capture_all([16, 32], lambda bucket, seed: (None, None))
     assert runner.buckets == [16] and "not permitted" in runner.failures[32]
     assert runner.pool == "pool1" and len(streams) == 1
     assert modes == ["error", 0, "error", 0], "warmups run with host syncs as errors"
@@ -234,13 +224,17 @@ def test_one_rank_capture_failure_keeps_collectives_matched(checkpoint, oracle, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     for r in (r0, r1):
-        assert r["buckets"] == [16] and "32" in r["failures"]
+        assert r["buckets"] == [16] and "32" in r["failures"] and "64" in r["failures"]
         assert r["mode"] == "eager" and "bucket 32 failed to capture" in r["reason"]
+        assert "bucket 64 failed to capture" in r["larger_reason"]
         assert r["small_mode"] == "graph" and r["small_bucket"] == 16
     assert "another rank failed" in r0["failures"]["32"]        # stats are rank 0's: its own capture passed
+    assert "another rank's eager warmup failed" in r0["failures"]["64"]
     for i, ids in enumerate([list(range(3, 40)), [(7 * i) % 200 for i in range(1, 25)]]):
         ref, _ = oracle(checkpoint, ids)
         assert rel_err(torch.tensor(r0["logits"][i]), ref) <= 1e-4
+    ref, _ = oracle(checkpoint, list(range(1, 101)))
+    assert rel_err(torch.tensor(r0["larger_logits"][0]), ref) <= 1e-4
 
 
 # -- 9: the torch kernel bounds its score memory on long prompts ---------------------------------------

@@ -197,15 +197,15 @@ def test_triton_kernels_match_torch(dtype):
     got = triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
     assert got[3].abs().max() == 0 and want[3].abs().max() == 0          # no visible key: zeros
     assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 2e-2)
-    from graphcp.attention.dsa import _probe  # the start-up check CUDA runs, here interpreted
-    assert _probe(triton_dsa, torch.device("cpu"), dtype) <= 2e-2
+    from graphcp.kernels.resolve import _dsa_errors  # the start-up check CUDA runs, here interpreted
+    assert _dsa_errors(triton_dsa, torch.device("cpu"), dtype) is None
 
 
 def test_triton_engine_matches_hf(engines, dsa_oracle, glm5):
     """--attention-kernel triton serves DSA with the Triton kernels (the interpreter on CPU)."""
-    from graphcp.attention.dsa import dsa_kernels
     from graphcp.kernels import triton_dsa
-    assert dsa_kernels("triton", torch.device("cpu")) is triton_dsa
+    from graphcp.kernels.resolve import resolve_dsa
+    assert resolve_dsa("triton", torch.device("cpu")) is triton_dsa
     engine = engines.get(glm5, attention_kernel="triton")
     _check(engine, dsa_oracle, glm5, [FIRST[:1]])
 
@@ -310,3 +310,44 @@ def test_row_chunks_match_hf(engines, dsa_oracle, v32, monkeypatch):
     import graphcp.attention.dsa as dsa
     monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 4096)     # a few rows per chunk at these sizes
     _check(engines.get(v32), dsa_oracle, v32, [FIRST[:1]])
+
+
+@pytest.mark.parametrize("spelling", [
+    dict(index_topk_freq=4, index_skip_topk_offset=3), dict(index_topk_freq=2),
+    dict(index_skip_topk_offset=0, index_topk_freq=1),
+    dict(index_topk_freq=3, index_skip_topk_offset=1),
+    dict(index_topk_pattern="FFSSFS" * 13), dict(index_topk_pattern=["full", "shared"] * 39), {}])
+def test_index_share_schedule_is_hfs(spelling):
+    """GLM-5.2's IndexShare schedule from every spelling, as GlmMoeDsaConfig derives indexer_types
+    (78 layers; GLM-5.2 declares freq 4, offset 3)."""
+    import transformers
+    from graphcp.models.dsa_config import _shared_indexer
+    hf = transformers.GlmMoeDsaConfig(num_hidden_layers=78, **spelling).indexer_types
+    ours = _shared_indexer(dict(spelling), "GlmMoeDsaForCausalLM", 78)
+    assert ours == tuple(t == "shared" for t in hf)
+
+
+@pytest.mark.parametrize("spelling,field", [
+    (dict(index_topk_freq=2, index_skip_topk_offset=0), "index_topk_freq / index_skip_topk_offset"),
+    (dict(index_topk_pattern="FSX"), "index_topk_pattern"),
+    (dict(index_topk_freq=None), "integers")])
+def test_index_share_schedule_refuses_a_shared_first_layer(spelling, field):
+    from graphcp.models.dsa_config import _shared_indexer
+    with pytest.raises(ConfigError, match=field):
+        _shared_indexer(spelling, "GlmMoeDsaForCausalLM", 3)
+
+
+def test_index_share_by_schedule_matches_hf(engines, dsa_oracle, ckpt_dir):
+    """A GLM-5 config.json with ``index_topk_freq: 2, index_skip_topk_offset: 2`` and no
+    ``indexer_types``: layers full, full, shared, full, derived here as HF derives them."""
+    import json
+    import os
+    path = make_dsa_checkpoint(str(ckpt_dir / "glm5-schedule"), "GlmMoeDsa", seed=24, n_group=1,
+                               topk_group=1, num_hidden_layers=4, index_topk_freq=2,
+                               index_skip_topk_offset=2)
+    cfg_path = os.path.join(path, "config.json")
+    raw = json.load(open(cfg_path))
+    assert raw.pop("indexer_types") == ["full", "full", "shared", "full"]
+    assert raw["index_topk_freq"] == 2 and raw["index_skip_topk_offset"] == 2
+    json.dump(raw, open(cfg_path, "w"))
+    _check(engines.get(path), dsa_oracle, path, [FIRST[:1], SECOND[:1]])

@@ -10,7 +10,9 @@ import torch
 
 import flashinfer_semantics
 from graphcp.kernels import flashinfer_attention as fi
-from graphcp.kernels.registry import kernel_fn, resolve_kernel
+from graphcp.kernels import registry
+from graphcp.kernels.registry import KernelContext, kernel_fn
+from graphcp.kernels.resolve import check_attention, resolve_kernel
 from graphcp.kernels.torch_ref import torch_paged_attention
 from graphcp.cp.metadata import zigzag_metadata
 from graphcp.errors import ConfigError
@@ -179,34 +181,40 @@ def test_calls_bind_to_the_installed_flashinfer(monkeypatch):
         assert (out - ref).abs().max().item() <= 1e-5
 
 
+def _probe(variant: str, page_size: int) -> str | None:
+    """The start-up check of a flashinfer variant (``kernels/resolve.py``), on CPU through the model."""
+    ctx = KernelContext(torch.device("cpu"), torch.float32, 64, (4, 2), page_size)
+    return check_attention(registry.KERNELS["flashinfer-" + variant].fn, ctx)
+
+
 @pytest.mark.parametrize("variant", ["trtllm", "paged"])
 def test_probe(semantics, monkeypatch, variant):
     """A working kernel passes the probe; one that raises or computes wrongly is refused, with the reason."""
-    assert fi.probe(variant, torch.device("cpu"), torch.float32, 4, 2, 64, 16) is None
+    assert _probe(variant, 16) is None
     name = "flashinfer_trtllm_attention" if variant == "trtllm" else "flashinfer_paged_attention"
 
     def broken(*args, **kwargs):
         raise RuntimeError("no cubin for this GPU\nsecond line")
 
     monkeypatch.setattr(fi, name, broken)
-    assert fi.probe(variant, torch.device("cpu"), torch.float32, 4, 2, 64, 16) == \
-        "failed its first call (RuntimeError: no cubin for this GPU)"
+    assert _probe(variant, 16) == "failed its first call (RuntimeError: no cubin for this GPU)"
 
     def wrong(q, *args, **kwargs):
         return args[-1].zero_()
 
     monkeypatch.setattr(fi, name, wrong)
-    assert "disagrees with the torch kernel" in fi.probe(variant, torch.device("cpu"), torch.float32, 4, 2, 64, 1)
+    assert "disagrees with the torch kernel" in _probe(variant, 1)
 
 
 def test_auto_falls_back_when_the_probe_fails(semantics, monkeypatch):
     """auto never picks a flashinfer that cannot serve; an explicit request says why it cannot."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(fi, "probe", lambda *a: None)
+    monkeypatch.setattr("graphcp.kernels.resolve.check_attention", lambda *a: None)
     assert resolve_kernel("auto", cuda, torch.bfloat16, 128, heads=(4, 2)) == "flashinfer-paged"
     assert resolve_kernel("auto", cuda, torch.bfloat16, 128, bottom_right=False, heads=(4, 2)) != "flashinfer-paged"
-    monkeypatch.setattr(fi, "probe", lambda *a: "failed its first call (RuntimeError: offline)")
+    monkeypatch.setattr("graphcp.kernels.resolve.check_attention",
+                        lambda *a: "failed its first call (RuntimeError: offline)")
     assert resolve_kernel("auto", cuda, torch.bfloat16, 128, heads=(4, 2)) in ("triton", "torch")
     with pytest.raises(ConfigError, match=r"--attention-kernel flashinfer failed its first call .*offline"):
         resolve_kernel("flashinfer", cuda, torch.bfloat16, 128, heads=(4, 2))

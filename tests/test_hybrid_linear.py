@@ -213,7 +213,10 @@ def test_hybrid_config_reads_the_layer_pattern(tmp_path):
     cfg = read_model_config(_config(tmp_path, layer_types=None, full_attention_interval=2,
                                     num_hidden_layers=4))
     assert cfg.hybrid.linear_layers == (0, 2) and cfg.hybrid.rotary_dim == 8
-    assert cfg.moe_layers == ()           # no num_experts: every FFN dense
+    assert cfg.attention_kinds == ("gated_deltanet", "gqa") * 2
+    assert cfg.num_experts == 512 and cfg.moe_layers == (0, 1, 2, 3)    # transformers' default
+    dense = read_model_config(_config(tmp_path, num_experts=0))
+    assert dense.moe_layers == ()           # num_experts 0: every FFN dense, as HF builds it
 
 
 @pytest.mark.parametrize("flags, named", [

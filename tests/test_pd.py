@@ -175,7 +175,7 @@ def test_senders_split_heads_layers_and_pages(checkpoint):
     pages read in place wherever they lie in the pool: the receiver assembles the whole cache."""
     import torch
 
-    from graphcp.kv import KVPool, RequestKV
+    from graphcp.kv import CachePart, PagedPool, RequestKV
     from graphcp.models import read_model_config
     from graphcp.pd.sender import KVSender
     layers, heads, head_dim, page = 2, 2, 32, 4
@@ -187,9 +187,11 @@ def test_senders_split_heads_layers_and_pages(checkpoint):
     senders = []
     for tp_rank in range(2):                          # attention TP 2 x pipeline 2: one layer and one head each
         for stage in range(2):
-            pool = KVPool(1, 8, page, 1, head_dim, torch.float32, torch.device("cpu"), layer_offset=stage)
-            pool.write(stage, slots, k_full[stage, tp_rank:tp_rank + 1].transpose(0, 1),
-                       v_full[stage, tp_rank:tp_rank + 1].transpose(0, 1))
+            row = (1, head_dim)                       # one KV head per attention-TP rank
+            pool = PagedPool({stage: (CachePart("k", row), CachePart("v", row))}, 8, page, torch.float32,
+                             torch.device("cpu"))
+            pool.write_kv(stage, slots, k_full[stage, tp_rank:tp_rank + 1].transpose(0, 1),
+                          v_full[stage, tp_rank:tp_rank + 1].transpose(0, 1))
             senders.append(KVSender(pool, read_model_config(checkpoint), range(stage, stage + 1), cp_size=1,
                                     cp_rank=0, attn_tp_rank=tp_rank, protocol="tcp", timeout_s=TIMEOUT_S))
     with KVReceiver(checkpoint, max_tokens=16, max_requests=1) as rx:

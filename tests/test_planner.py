@@ -116,5 +116,5 @@ def test_dummy_batches_fill_their_bucket(strategy, cp):
         for seed in range(5):
             ext, prefix = s.dummy_batch(bucket, 8, 512, seed)
             assert len(ext) <= 8 and min(ext) >= s.min_request_len and max(ext) <= 512
-            assert s.local_capacity(ext) <= bucket and all(0 <= p <= 64 for p in prefix)
+            assert s.plan(ext, prefix, 0).local_cap <= bucket and all(0 <= p <= 64 for p in prefix)
     assert s.dummy_batch(s.aligned(4096), 2, 64, 0) is None   # two 64-token requests cannot fill it

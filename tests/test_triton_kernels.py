@@ -219,17 +219,21 @@ def test_kernel_fn_capturable_only_on_cuda():
 def test_start_probe(monkeypatch):
     """The start-up probe passes the real kernel (here in the interpreter); a failing probe on CUDA makes
     auto fall back to torch and an explicit triton request a ConfigError with the reason."""
-    from graphcp.attention import probe as probe_module
-    from graphcp.kernels.registry import resolve_kernel
-    from graphcp.kernels.probe import probe_kernel
     from graphcp.errors import ConfigError
-    assert probe_kernel(triton_paged_attention, torch.device("cpu"), torch.float32, 4, 2, 64, 16) is None
-    assert "disagrees" in probe_kernel(lambda *a, **k: a[-1].zero_(), torch.device("cpu"), torch.float32, 4, 2, 64, 4)
+    from graphcp.kernels import resolve as probe_module
+    from graphcp.kernels.registry import KernelContext
+    from graphcp.kernels.resolve import check_attention, resolve_kernel
+
+    def ctx(page_size: int) -> KernelContext:
+        return KernelContext(torch.device("cpu"), torch.float32, 64, (4, 2), page_size)
+
+    assert check_attention(triton_paged_attention, ctx(16)) is None
+    assert "disagrees" in check_attention(lambda *a, **k: a[-1].zero_(), ctx(4))
     cuda = torch.device("cuda")
-    monkeypatch.setattr(probe_module, "probe_kernel", lambda *a: None)
+    monkeypatch.setattr(probe_module, "check_attention", lambda *a: None)
     assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) in ("triton", "flashinfer-paged",
                                                                               "flashinfer-trtllm")
-    monkeypatch.setattr(probe_module, "probe_kernel", lambda *a: "failed its first call (RuntimeError: ptxas)")
+    monkeypatch.setattr(probe_module, "check_attention", lambda *a: "failed its first call (RuntimeError: ptxas)")
     monkeypatch.setattr("graphcp.kernels.flashinfer_attention.flashinfer_installed", lambda: False)
     assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) == "torch"
     with pytest.raises(ConfigError, match="--attention-kernel triton failed its first call .*ptxas"):

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from graphcp.kernels.layer_kernels import cuda_kernel  # noqa: E402
+from graphcp.kernels import registry  # noqa: E402
 from graphcp.models.layers import rms_norm_torch, rope_torch  # noqa: E402
 from graphcp.kernels.triton_rmsnorm import triton_rms_norm  # noqa: E402
 from graphcp.kernels.triton_rope import triton_rope  # noqa: E402
@@ -84,31 +84,25 @@ def test_rope(dtype, d, hq, hk):
 
 
 def test_lookup():
-    assert cuda_kernel("rms_norm") is triton_rms_norm and cuda_kernel("rope") is triton_rope
+    assert registry.LAYER_KERNELS["rms_norm"].fn is triton_rms_norm
+    assert registry.LAYER_KERNELS["rope"].fn is triton_rope
 
 
 def test_first_use_check_falls_back_to_the_torch_form(monkeypatch, caplog):
-    """A Triton layer op that raises or disagrees on its first call is replaced by the torch form, once,
+    """A Triton layer op that raises or disagrees at its start-up check is replaced by the torch form,
     with a warning; one that agrees is kept and not checked again."""
-    from graphcp.kernels import layer_kernels as layers
-    monkeypatch.setattr(layers, "_CUDA_KERNELS", {})
-    monkeypatch.setattr(layers, "_CHECKED", set())
+    monkeypatch.setattr(registry, "_CHOSEN", {})
     x = torch.randn(4, 8)
     torch_call = lambda: x * 2  # noqa: E731
 
     def raising(fn):
         raise RuntimeError("no kernel image\nmore")
 
-    layers._CUDA_KERNELS["rope"] = object()
-    assert torch.equal(layers.fused_or_torch("rope", raising, torch_call), x * 2)
-    assert layers._CUDA_KERNELS["rope"] is None and "failed (RuntimeError: no kernel image)" in caplog.text
-    layers._CUDA_KERNELS["rms_norm"] = object()
-    assert torch.equal(layers.fused_or_torch("rms_norm", lambda fn: (x * 3, x), lambda: (x * 2, x))[0], x * 2)
-    assert layers._CUDA_KERNELS["rms_norm"] is None and "disagrees with the torch form" in caplog.text
-    marker = object()
-    layers._CUDA_KERNELS["rope"] = marker
+    assert not registry.probe_op("rope", raising, torch_call, torch.float32)
+    assert registry.chosen("rope") is None and "failed its first call (RuntimeError: no kernel image)" in caplog.text
+    assert not registry.probe_op("rms_norm", lambda fn: (x * 3, x), lambda: (x * 2, x), torch.float32)
+    assert registry.chosen("rms_norm") is None and "disagrees with the torch form" in caplog.text
     calls = []
-    assert torch.equal(layers.fused_or_torch("rope", lambda fn: calls.append(fn) or x * 2, torch_call), x * 2)
-    assert layers._CUDA_KERNELS["rope"] is marker and "rope" in layers._CHECKED
-    layers.fused_or_torch("rope", lambda fn: calls.append(fn) or x * 2, lambda: pytest.fail("checked twice"))
-    assert calls == [marker, marker]
+    assert registry.probe_op("rope", lambda fn: calls.append(fn) or x * 2, torch_call, torch.float32)
+    assert registry.chosen("rope") is triton_rope and calls == [triton_rope]
+    assert registry.chosen("rope") is triton_rope and calls == [triton_rope]      # not checked again

@@ -1,2 +1,82 @@
-"""Attention: the paged varlen contract, its kernels (torch, Triton, flashinfer), the kernel registry
-and the per-layer op."""
+"""Attention: the layer kinds (``kinds.py``: op, cache parts, export), their per-forward ops (``op.py``
+dense GQA, ``dsa.py`` MLA with the DSA indexer), and ``build``: the kernels every op uses, chosen once
+at start. Layers call ``current_attention()(layer_id, queries, *new cache rows, **extras)``; ``LayerOps``
+hands each call to the op of that layer's kind."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.attention.context import AttentionContext, AttentionKernels
+from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds
+from graphcp.config import EngineArgs
+from graphcp.cp.metadata import CPMetadata
+from graphcp.cp.plan import HostMaxima
+from graphcp.dist.comm import CPComm
+from graphcp.kernels.registry import KERNELS
+from graphcp.kernels.resolve import resolve_dsa, resolve_kernel
+from graphcp.kv.cache import LayerParts, PagedPool
+from graphcp.models.config import ModelConfig
+
+
+class LayerOps:
+    """One forward's attention: each layer's call goes to the op of its kind, built on first use."""
+
+    def __init__(self, kinds: dict[int, LayerKind], ctx: AttentionContext) -> None:
+        self.kinds, self.ctx = kinds, ctx
+        self._ops: dict[str, object] = {}
+
+    def __call__(self, layer_id: int, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        kind = self.kinds[layer_id]
+        op = self._ops.get(kind.name)
+        if op is None:
+            op = self._ops[kind.name] = kind.op(self.ctx)
+        return op(layer_id, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A rank's attention, resolved once: its layers' kinds and the kernels their ops use."""
+    cfg: ModelConfig
+    kinds: dict[int, LayerKind]
+    kernels: AttentionKernels
+    attn_tp: int
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernels.attention.name
+
+    @property
+    def graph_reason(self) -> str | None:
+        """Why these layers cannot run in a graph (None: they can)."""
+        return next((k.graph_reason for k in self.kinds.values() if k.graph_reason), None)
+
+    def cache_parts(self) -> LayerParts:
+        return cache_parts(self.cfg, range(min(self.kinds), max(self.kinds) + 1), self.attn_tp)
+
+    def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima) -> LayerOps:
+        return LayerOps(self.kinds, AttentionContext(self.cfg, pool, meta, comm, host, self.kernels))
+
+    def export(self, layer: int, rows: tuple[torch.Tensor, ...]) -> tuple:
+        """One layer's cached rows (per part, [n, *row]) as ``engine.kv_cache`` returns them."""
+        return self.kinds[layer].export(self.cfg, rows)
+
+
+def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch.dtype, layers: range,
+          bottom_right: bool) -> AttentionBackend:
+    """The attention of a rank holding ``layers``: ``bottom_right`` False where the layout gives per-token
+    causal limits (interleave), which some kernels do not take."""
+    atp, kinds = args.attn_tp_size, layer_kinds(cfg, layers)
+    needed = {op for kind in kinds.values() for op in kind.kernels}     # resolve (and probe) only those
+    kernel = KERNELS["torch"]
+    if "attention" in needed:
+        heads = (cfg.num_attention_heads // atp, cfg.num_key_value_heads // atp)
+        kernel = KERNELS[resolve_kernel(args.attention_kernel, device, dtype, cfg.head_dim, bottom_right, heads,
+                                        args.page_size)]
+    dsa = resolve_dsa(args.attention_kernel, device) if "dsa" in needed else None
+    split = args.resolved_backend() == "flashattention"
+    return AttentionBackend(cfg, kinds, AttentionKernels(kernel, split, dsa), atp)
+
+
+__all__ = ["AttentionBackend", "LayerOps", "build"]

@@ -1,9 +1,10 @@
-"""The attention op the model calls through the forward context.
+"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``.
 
 Per layer: all-gather this rank's K/V across the CP group (one collective for both), write every gathered
 row to its paged-cache slot (padding rows go to the dummy slot), then run the kernel on the local queries.
 Backend paths: ``trtllm_mha`` makes one combined varlen call over the zigzag page table (2R rows);
-``flashattention`` makes two calls (early blocks, then late blocks); ``torch`` is the plain reference call.
+``flashattention`` makes two calls (early blocks, then late blocks, where the layout's metadata and host
+maxima split them); ``torch`` is the plain reference call.
 """
 from __future__ import annotations
 
@@ -11,12 +12,10 @@ from dataclasses import replace
 
 import torch
 
-from graphcp.kernels.registry import KernelArgs, KernelSpec
-from graphcp.cp.metadata import CPMetadata
-from graphcp.dist.comm import CPComm
-from graphcp.forward_batch import HostMaxima
+from graphcp.attention.context import AttentionContext
+from graphcp.cp.plan import HostMaxima
 from graphcp.graph.protocol import graph_break
-from graphcp.kv.cache import KVPool
+from graphcp.kernels.registry import KernelArgs, KernelSpec
 from graphcp.profiling import nvtx_range
 
 
@@ -28,12 +27,13 @@ def _attend(spec: KernelSpec, args: KernelArgs, host: HostMaxima, capturable: bo
         return spec.run(args, host.max_q, host.max_kv, host.workspace)
 
 
-def _split(args: KernelArgs, host: HostMaxima) -> tuple[KernelArgs, KernelArgs]:
-    """(early, late) halves, made once per forward so kernels' per-forward caches hit on every layer."""
+def _split(args: KernelArgs, early_sequences: int, host: HostMaxima) -> tuple[KernelArgs, KernelArgs]:
+    """(early, late) halves, made once per forward so kernels' per-forward caches hit on every layer.
+    The layout gives both cuts: ``early_sequences`` (static) and ``host.early_rows`` (the batch's)."""
     meta = (args.cu_seqlens_q, args.page_rows, args.q_limits)
     cached = host.workspace.get("split_views")
     if cached is None or any(a is not b for a, b in zip(cached[0], meta)):
-        n, r = host.early_rows, args.page_rows.shape[0] // 2
+        n, r = host.early_rows, early_sequences
         early = (args.cu_seqlens_q[:r + 1], args.page_rows[:r], args.q_limits[:n])
         late = (args.cu_seqlens_q[r:] - n, args.page_rows[r:], args.q_limits[n:])
         cached = host.workspace["split_views"] = (meta, early, late)
@@ -44,39 +44,45 @@ def _split(args: KernelArgs, host: HostMaxima) -> tuple[KernelArgs, KernelArgs]:
     return early, late
 
 
-@graph_break
-def _attend_break(spec: KernelSpec, args: KernelArgs, host: HostMaxima, split: bool) -> torch.Tensor:
-    """Runs eagerly; a graph replay passes the live batch's ``host``, so the maxima are the batch's."""
-    if not split:
+@graph_break(host_arg="host")
+def _attend_break(spec: KernelSpec, args: KernelArgs, host: HostMaxima, early_sequences: int) -> torch.Tensor:
+    """Runs eagerly; a graph replay passes the live batch's ``host``, so the maxima are the batch's.
+    ``early_sequences`` > 0: the flashattention path, early blocks then late blocks."""
+    if not early_sequences:
         return _attend(spec, args, host)
-    early, late = _split(args, host)        # flashattention path: early blocks, then late blocks
+    early, late = _split(args, early_sequences, host)
     _attend(spec, early, host)
     _attend(spec, late, host)
     return args.out
 
 
 class PagedAttention:
-    """Callable set in the forward context; owns the CP collectives and cache writes of one forward."""
+    """Set in the forward context (through ``LayerOps``); owns the CP collectives and cache writes of one
+    forward's dense layers."""
 
-    def __init__(self, pool: KVPool, meta: CPMetadata, comm: CPComm | None, kernel: KernelSpec,
-                 host: HostMaxima, split_early_late: bool, scale: float) -> None:
-        self.pool, self.meta, self.comm, self.kernel = pool, meta, comm, kernel
-        self.host, self.split, self.scale = host, split_early_late, scale
-        self.capturable = kernel.capturable(pool.device) and not split_early_late
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx, self.meta, self.pool = ctx, ctx.meta, ctx.pool
+        kernels, meta = ctx.kernels, ctx.meta
+        self.kernel = kernels.attention
+        split = kernels.split_early_late and meta.early_sequences > 0
+        self.early_sequences = meta.early_sequences if split else 0
+        self.scale = ctx.cfg.head_dim ** -0.5
+        self.capturable = self.kernel.capturable(self.pool.device) and not split
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]."""
         meta, pool = self.meta, self.pool
         pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
         if meta.cp_size > 1:
-            local = torch.stack((k, v), dim=1)                                     # [B, 2, Hkv, D]
-            gathered = local.new_empty((meta.cp_size * local.shape[0],) + local.shape[1:])
-            self.comm.all_gather(gathered, local)
-            pool.write(layer_id, meta.gather_slots, gathered[:, 0], gathered[:, 1])
-        else:
-            pool.write(layer_id, meta.gather_slots, k, v)
+            gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))           # [C * B, 2, Hkv, D]
+            k, v = gathered[:, 0], gathered[:, 1]
+        pool.write_kv(layer_id, meta.gather_slots, k, v)
         page_rows = pool.map_pages(layer_id, meta.page_rows)      # LayerSplit scratch pages
-        args = KernelArgs(q, pool.keys(layer_id), pool.values(layer_id), meta.cu_seqlens_q, page_rows,
+        args = KernelArgs(q, pool.part(layer_id, "k"), pool.part(layer_id, "v"), meta.cu_seqlens_q, page_rows,
                           meta.q_limits, torch.empty_like(q), pool.page_size, self.scale)
         if self.capturable:
-            return _attend(self.kernel, args, self.host, capturable=True)
-        return _attend_break(self.kernel, args, self.host, self.split)
+            return _attend(self.kernel, args, self.ctx.host, capturable=True)
+        return _attend_break(self.kernel, args, self.ctx.host, self.early_sequences)
+
+
+__all__ = ["PagedAttention"]

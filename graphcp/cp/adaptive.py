@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.cp.metadata import CPMetadata, zigzag_metadata
+from graphcp.cp.plan import HostMaxima
 from graphcp.cp.strategy import ZigzagStrategy
-from graphcp.forward_batch import HostMaxima
 
 log = logging.getLogger("graphcp")
 
@@ -58,6 +58,11 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
     def min_request_len(self) -> int:
         return 1
 
+    def describe_cost(self) -> dict:
+        cost = self.cost
+        return {"threshold": self.threshold, "per_token_s": cost.per_token, "per_pair_s": cost.per_pair,
+                "per_gather_token_s": cost.per_gather_token, "fixed_s": cost.fixed}
+
     def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> AdaptiveZigzagStrategy:
         """This strategy with the batch's placement decided."""
         loads = [0.0] * self.cp_size
@@ -74,9 +79,10 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         return AdaptiveZigzagStrategy(self.cp_size, self.threshold, self.cost, whole_on)
 
     def _placement(self, extend_lens: list[int]) -> list[int]:
-        if self.whole_on is not None and len(self.whole_on) == len(extend_lens):
-            return self.whole_on
-        return self.for_batch(extend_lens, [0] * len(extend_lens)).whole_on
+        """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a bug."""
+        if self.whole_on is None or len(self.whole_on) != len(extend_lens):
+            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or plan) for a batch")
+        return self.whole_on
 
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:
         whole_on = self._placement(extend_lens)

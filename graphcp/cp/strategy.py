@@ -3,12 +3,27 @@ kernels and graphs. Nothing outside ``cp/`` needs to know what zigzag or interle
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
-from graphcp.forward_batch import HostMaxima
+from graphcp.cp.plan import HostMaxima
+
+
+@dataclass
+class LayoutPlan:
+    """A batch's layout, decided once on the host (``ContextParallelStrategy.plan``): the strategy it runs
+    with, what each CP rank holds, the padded local capacity and this rank's host maxima. The planner makes
+    it; the runner, the attention ops and the graphs only read it."""
+    strategy: "ContextParallelStrategy"  # the strategy the batch runs with (unsharded when CP is off)
+    cp_applied: bool                     # False: every rank holds the whole batch
+    per_rank_tokens: list[int]           # real new tokens each CP rank holds
+    local_cap: int                       # rows of this rank's padded buffers (>= 1)
+    host: HostMaxima                     # this rank's host maxima
+    whole_on: list[int] | None = None    # adaptive CP: 0 split, r + 1 whole on CP rank r
+    unsharded_reason: str | None = None  # why a CP group runs the batch unsharded
 
 
 class ContextParallelStrategy:
@@ -17,6 +32,7 @@ class ContextParallelStrategy:
     name = ""
     build: Callable[..., CPMetadata]
     splits_early_late = False        # the flashattention path makes one call per half (zigzag)
+    bottom_right_causal = True       # each query sequence ends at its KV length (interleave: per-token limits)
     graph_reason: str | None = None  # why graphs cannot serve this layout (None: they can)
     whole_on: list[int] | None = None  # per-batch placement (adaptive CP); None: every request split
 
@@ -37,6 +53,26 @@ class ContextParallelStrategy:
         """The strategy a batch runs with (adaptive CP decides its placement here)."""
         return self
 
+    def plan(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> LayoutPlan:
+        """The batch's layout, decided once: placement, per-rank tokens, local capacity and this CP
+        rank's host maxima. A batch the layout cannot shard runs unsharded (every rank holds all of it,
+        as rank 0 of a one-rank zigzag)."""
+        if not extend_lens:          # an empty DP group: one zero-length padding request joins
+            extend_lens, prefix_lens = [0], [0]
+        placed = self.for_batch(extend_lens, prefix_lens)
+        if self.cp_size > 1 and placed.applies(extend_lens):
+            counts = placed.per_rank_tokens(extend_lens)
+            return LayoutPlan(placed, True, counts, max(1, placed.aligned(max(counts))),
+                              placed.host_maxima(extend_lens, prefix_lens, rank), placed.whole_on)
+        whole = unsharded()
+        reason = self.unsharded_reason() if self.cp_size > 1 else None
+        return LayoutPlan(whole, False, [sum(extend_lens)] * self.cp_size, max(1, sum(extend_lens)),
+                          whole.host_maxima(extend_lens, prefix_lens, 0), None, reason)
+
+    def describe_cost(self) -> dict | None:
+        """The placement cost model (adaptive CP), for stats; None for a static layout."""
+        return None
+
     def applies(self, extend_lens: list[int]) -> bool:
         return all(n >= self.min_request_len for n in extend_lens)
 
@@ -48,10 +84,6 @@ class ContextParallelStrategy:
 
     def aligned(self, tokens: int) -> int:
         return -(-tokens // self.align) * self.align
-
-    def local_capacity(self, extend_lens: list[int]) -> int:
-        """Rows of the padded per-rank buffers: the largest rank's count, aligned."""
-        return self.aligned(max(self.per_rank_tokens(extend_lens)))
 
     def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
         """The live batch's host-side maxima that kernels run in a graph break need (``rank`` is the CP
@@ -68,11 +100,12 @@ class ContextParallelStrategy:
         """Make every request's last-token row valid where logits are read (rank 0 by default)."""
         return rows
 
-    def dummy_batch(self, bucket: int, req_cap: int, max_context: int,
-                    seed: int) -> tuple[list[int], list[int]] | None:
+    def dummy_batch(self, bucket: int, req_cap: int, max_context: int, seed: int,
+                    prefixes: bool = True) -> tuple[list[int], list[int]] | None:
         """(new lengths, prefix lengths) of a random batch whose padded per-rank count fits ``bucket``
-        and fills more than half of it; None when no batch of <= ``req_cap`` requests within
-        ``max_context`` tokens does."""
+        and fills more than half of it (so that bucket serves it); None when no batch of <= ``req_cap``
+        requests within ``max_context`` tokens does. ``prefixes=False``: fresh requests only (a
+        warmup that sends real requests)."""
         rng = random.Random(seed)
         cp, min_len, ctx = self.cp_size, self.min_request_len, max_context
         n_min = max(1, -(-(bucket * cp // 2) // ctx))
@@ -86,8 +119,8 @@ class ContextParallelStrategy:
             cuts = sorted(rng.randint(0, extra) for _ in range(n_req - 1))
             ext = [min_len + b - a for a, b in zip([0] + cuts, cuts + [extra])]
             if max(ext) <= ctx:
-                prefix = [rng.randint(0, min(64, ctx - e)) for e in ext]
-                if self.for_batch(ext, prefix).local_capacity(ext) <= bucket:
+                prefix = [rng.randint(0, min(64, ctx - e)) if prefixes else 0 for e in ext]
+                if self.plan(ext, prefix, 0).local_cap <= bucket:
                     return ext, prefix
             hi = max(n_req * min_len, target - 1)
         return None
@@ -133,6 +166,7 @@ class InterleaveStrategy(ContextParallelStrategy):
 
     name = "interleave"
     build = staticmethod(interleave_metadata)
+    bottom_right_causal = False
     graph_reason = "--cp-strategy interleave runs eagerly (graphs need zigzag)"
 
     @property

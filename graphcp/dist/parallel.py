@@ -14,7 +14,7 @@ from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, 
 from graphcp.forward_context import MoECommunicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.moe import EPInfo
-from graphcp.models.parallel import TPInfo, shard_range
+from graphcp.models.parallel import TPInfo, pipeline_stage
 
 
 @dataclass
@@ -47,7 +47,7 @@ class RankParallel:
         wide = args.resolved_ffn_tp_size > atp
         ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp) if wide else attn_tp
         communicator = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp) if wide else None
-        layers = range(*shard_range(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
+        layers = range(*pipeline_stage(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
         # MoE: experts split over EP ranks of the TP world, each over expert TP (see dist/moe_comm.py).
         ep_rank, expert_tp_rank = expert_place(args, rank)
         ep = EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank)
@@ -56,6 +56,22 @@ class RankParallel:
         return cls(me, groups, comm, attn_tp, ffn_tp, communicator, ep, moe, layers, me.pp_rank == 0,
                    me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device,
                    [rank_of(args, me.pp_rank, me.dp_rank, c, me.attn_tp_rank) for c in range(args.cp_size)])
+
+    def average(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of ``values`` over every rank."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return values
+        t = values.to(self.device)
+        all_reduce(t, None)
+        return (t / torch.distributed.get_world_size()).cpu()
+
+    def min_over_world(self, value: int) -> int:
+        """The smallest ``value`` over every rank (pool sizes must agree everywhere)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t.item())
 
     def all_ranks_agree(self, ok: bool) -> bool:
         """All-rank AND over the CP group (graph capture keeps the same buckets on every rank)."""

@@ -23,7 +23,8 @@ class RankInfo:
 
     @property
     def is_output(self) -> bool:
-        """The rank that answers for its DP group: last stage, first CP and attention-TP rank."""
+        """The rank of its pipeline stage that answers for its DP group: its first CP and attention-TP rank.
+        (The engine takes the answers of the last stage's output ranks: ``ModelRunner.answers``.)"""
         return self.cp_rank == 0 and self.attn_tp_rank == 0
 
 

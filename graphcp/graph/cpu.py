@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from graphcp.graph.protocol import Break, BreakableGraph, Capture, GraphCaptureError, capture_active, set_active
+from graphcp.graph.protocol import (Break, BreakableGraph, Capture, GraphCaptureError, capture_active, check_break_outputs,
+                                    host_slot, set_active)
 from graphcp.profiling import no_profiler_ranges
 
 # -- CPU emulation ---------------------------------------------------------------------------------
@@ -227,8 +228,10 @@ class CpuCapture(Capture):
             self._replay_into_capture(segment)
         flat, spec, refs = self._flatten_refs((args, kwargs))
         out = fn(*args, **kwargs)
+        check_break_outputs(fn, args, kwargs, out)
         self.signature.append(("break", fn.__name__))
-        self.graph.items.append(Break(fn, args, kwargs, (flat, spec, refs), self._bind_outputs(out)))
+        self.graph.items.append(Break(fn, args, kwargs, (flat, spec, refs), self._bind_outputs(out),
+                                      host_slot(fn, args, kwargs)))
         self._begin()
         return out
 

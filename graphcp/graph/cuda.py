@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from graphcp.graph.protocol import Break, BreakableGraph, BreakLog, Capture, set_active
+from graphcp.graph.protocol import Break, BreakableGraph, BreakLog, Capture, check_break_outputs, host_slot, set_active
 from graphcp.profiling import no_profiler_ranges
 
 # -- CUDA -------------------------------------------------------------------------------------------
@@ -82,7 +82,8 @@ class CudaCapture(Capture):
         if segment is not None:
             segment.replay(None)              # compute the break's inputs: capture ran nothing
         out = fn(*args, **kwargs)
-        self.graph.items.append(Break(fn, args, kwargs))
+        check_break_outputs(fn, args, kwargs, out)      # the segment after it reads ``out`` where it is now
+        self.graph.items.append(Break(fn, args, kwargs, host=host_slot(fn, args, kwargs)))
         self._begin()
         return out
 

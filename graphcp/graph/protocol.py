@@ -2,15 +2,18 @@
 
 A function decorated with ``graph_break`` (an attention kernel that needs host arguments, a collective that
 cannot be captured) ends the current segment when called during a capture, runs eagerly, and at replay runs
-again eagerly with live arguments, writing into a caller-provided output buffer.
+again eagerly with live arguments, writing into a caller-provided output buffer: every tensor it returns
+must share storage with one of its arguments (a fresh tensor would be freed memory at a CUDA replay).
 
 A capture backend (``graph/cpu.py``, ``graph/cuda.py``) implements ``run_break`` and ``finish``; both fill a
-``BreakableGraph`` whose ``replay`` is shared. At replay, a break argument that *is* the capture batch's
-live object (``swap``) is replaced by the replayed batch's, so a break always sees the batch it serves.
+``BreakableGraph`` whose ``replay`` is shared. A break that takes host data of the batch names that
+argument (``host_arg``); a replay passes the live batch's value, which replaces it by name, so a break
+always sees the batch it serves.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,6 +25,10 @@ from graphcp.profiling import active_counter, nvtx_range, paused
 
 class GraphCaptureError(RuntimeError):
     """A capture rule was broken inside a segment; the bucket must run eagerly."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank's eager warmup failed: this rank stops its own at the next collective break."""
 
 
 class Capture:
@@ -46,13 +53,15 @@ def capture_active() -> bool:
     return _active is not None
 
 
-def graph_break(fn: Callable | None = None, *, collective: bool = False) -> Callable:
+def graph_break(fn: Callable | None = None, *, collective: bool = False, host_arg: str | None = None) -> Callable:
     """Mark ``fn`` as a break point. It must write its result into an argument, not return new memory.
     ``collective``: ``fn`` is a collective its peers must meet (a rank whose capture fails still issues it,
-    see ``BreakLog.drain``)."""
+    see ``BreakLog.drain``). ``host_arg``: the parameter that takes the batch's host data, replaced at
+    replay by the live batch's."""
     if fn is None:
-        return functools.partial(graph_break, collective=collective)
+        return functools.partial(graph_break, collective=collective, host_arg=host_arg)
     fn.graphcp_collective = collective
+    fn.graphcp_host_arg = host_arg
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -71,10 +80,15 @@ def graph_break(fn: Callable | None = None, *, collective: bool = False) -> Call
 class BreakLog(Capture):
     """An eager run that records its breaks: the sequence of collectives every pass of a capture issues.
     When a rank's capture fails partway, ``drain`` issues the collectives its peers still wait for, so
-    every rank reaches the end of the capture and the agreement on the bucket with matched collectives."""
+    every rank reaches the end of the capture and the agreement on the bucket with matched collectives.
 
-    def __init__(self) -> None:
+    With ``agree`` (an all-rank AND), every rank agrees before each collective break that all are still
+    running: a rank whose warmup fails calls ``agree(False)`` once instead of its next collective, and its
+    peers, meeting that agreement, stop with ``PeerFailed``, so no collective is left unmatched."""
+
+    def __init__(self, agree: Callable[[bool], bool] | None = None) -> None:
         self.calls: list[tuple[Callable, tuple, dict]] = []
+        self.agree = agree
 
     def __enter__(self) -> "BreakLog":
         set_active(self)
@@ -84,6 +98,8 @@ class BreakLog(Capture):
         set_active(None)
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.agree is not None and getattr(fn, "graphcp_collective", False) and not self.agree(True):
+            raise PeerFailed("another rank's eager warmup failed")
         self.calls.append((fn, args, kwargs))
         return fn(*args, **kwargs)
 
@@ -96,6 +112,30 @@ class BreakLog(Capture):
                 fn(*args, **kwargs)
 
 
+def host_slot(fn: Callable, args: tuple, kwargs: dict) -> tuple[str, int | str] | None:
+    """Where a break's named host argument sits in this call: ("pos", index) or ("kw", name)."""
+    name = getattr(fn, "graphcp_host_arg", None)
+    if name is None:
+        return None
+    if name in kwargs:
+        return "kw", name
+    index = list(inspect.signature(fn).parameters).index(name)
+    if index >= len(args):
+        raise GraphCaptureError(f"break {fn.__name__} was called without its host argument {name!r}")
+    return "pos", index
+
+
+def check_break_outputs(fn: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+    """Every tensor a break returns must live in one of its arguments' storage: at a CUDA replay the
+    graph reads the break's output where the capture left it, so fresh memory would be freed by then."""
+    storages = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor)}
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages:
+            raise GraphCaptureError(f"break {fn.__name__} returned a tensor that is not (a view of) one of its "
+                                    "arguments; breaks must write into a caller-provided buffer")
+
+
 @dataclass
 class Break:
     fn: Callable
@@ -103,6 +143,7 @@ class Break:
     kwargs: dict
     resolve: tuple | None = None              # CPU: (flat args, treespec, [(position, env index)])
     outs: list = field(default_factory=list)  # CPU: [(output position, env index)]
+    host: tuple | None = None                 # where the named host argument sits (``host_slot``)
 
 
 @dataclass
@@ -120,9 +161,9 @@ class BreakableGraph:
     def num_breaks(self) -> int:
         return sum(isinstance(i, Break) for i in self.items)
 
-    def replay(self, swap: tuple[Any, Any] | None = None) -> None:
-        """Run every segment and break in order. ``swap`` = (capture object, live object). Under an active
-        host-op counter a segment counts as one launch; a break's ops count one by one."""
+    def replay(self, host: Any = None) -> None:
+        """Run every segment and break in order; ``host`` replaces each break's named host argument. Under
+        an active host-op counter a segment counts as one launch; a break's ops count one by one."""
         for t, ptr in zip(self.static, self.static_ptrs):
             if t.data_ptr() != ptr:
                 raise GraphCaptureError("a static buffer moved after capture; graphs read fixed addresses")
@@ -131,7 +172,7 @@ class BreakableGraph:
         for item in self.items:
             if isinstance(item, Break):
                 with nvtx_range(f"break:{item.fn.__name__}"):
-                    args, kwargs = _resolve_break(item, env, swap)
+                    args, kwargs = _resolve_break(item, env, host)
                     out = item.fn(*args, **kwargs)
                     if item.outs:
                         flat_out = tree_flatten(out)[0]
@@ -144,7 +185,7 @@ class BreakableGraph:
                     counter.count += 1
 
 
-def _resolve_break(item: Break, env: list, swap: tuple[Any, Any] | None) -> tuple[tuple, dict]:
+def _resolve_break(item: Break, env: list, host: Any) -> tuple[tuple, dict]:
     if item.resolve is None:  # CUDA: tensor arguments live at fixed addresses
         args, kwargs = item.args, item.kwargs
     else:
@@ -153,11 +194,12 @@ def _resolve_break(item: Break, env: list, swap: tuple[Any, Any] | None) -> tupl
         for pos, ref in refs:
             flat[pos] = env[ref]
         args, kwargs = tree_unflatten(flat, spec)
-    if swap is None:
+    if item.host is None or host is None:
         return args, kwargs
-    old, new = swap
-    return (tuple(new if a is old else a for a in args),
-            {k: new if v is old else v for k, v in kwargs.items()})
+    where, key = item.host
+    if where == "kw":
+        return args, {**kwargs, key: host}
+    return args[:key] + (host,) + args[key + 1:], kwargs
 
 
 def check_same_ops(first: list[tuple], second: list[tuple], bucket: int) -> None:

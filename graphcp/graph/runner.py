@@ -1,47 +1,30 @@
 """Graph runner: bucket selection, capture of every bucket, and replay.
 
-It knows nothing of layouts or models. A ``GraphTarget`` (the model runner) loads a batch that fills a
-bucket into its static inputs (``prepare_for_capture``), copies a live batch in (``prepare_for_replay``)
-and runs the forward; batches carry a ``host`` object that a replay hands to the breaks in place of the
-capture batch's. All ranks of a CP group see the same batch, so they pick the same bucket and replay the
-same graph; collectives inside breaks stay matched.
+It knows nothing of layouts or models: it owns the static inputs (``GraphInputs``), captures a forward
+function per bucket on a batch it is given, and at replay writes the live batch into the static inputs
+and hands the batch's host data to the breaks that name it. All ranks of a CP group see the same batch,
+so they pick the same bucket and replay the same graph; collectives inside breaks stay matched.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
-from graphcp.dist.procs import rss_bytes
+from graphcp.forward_batch import BatchInputs, ForwardBatch
+from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.cpu import CpuCapture
 from graphcp.graph.cuda import CudaCapture, SyncCheckedWarmup
-from graphcp.graph.protocol import BreakableGraph, BreakLog, GraphCaptureError, check_same_ops
-from graphcp.profiling import gpu_memory_used, nvtx_range
+from graphcp.graph.protocol import BreakableGraph, BreakLog, GraphCaptureError, PeerFailed, check_same_ops
+from graphcp.profiling import nvtx_range, process_memory
 
 log = logging.getLogger("graphcp")
 
 DEFAULT_BUCKETS = {"cpu": (8, 16, 32, 64, 128, 256, 512),
                    "cuda": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)}
-
-
-class GraphTarget(Protocol):
-    def prepare_for_capture(self, bucket: int, seed: int) -> Any:
-        """Load a batch that fills ``bucket`` into the static inputs; return it."""
-
-    def prepare_for_replay(self, batch: Any) -> None:
-        """Copy a live batch into the static inputs (one host-to-device copy)."""
-
-    def forward(self, batch: Any) -> torch.Tensor:
-        """The forward a graph captures: logits [rows, vocab]."""
-
-    def static_tensors(self) -> list[torch.Tensor]:
-        """Buffers the graphs read at fixed addresses."""
-
-    def has_collective_breaks(self) -> bool:
-        """Whether the forward meets peers inside breaks (then a failed capture must still meet them)."""
 
 
 def select_bucket(buckets: list[int], real_max: int, needed: int,
@@ -67,15 +50,20 @@ class BucketRecord:
     error: str | None = None
 
 
-class GraphRunner:
-    """Captures ``target.forward`` per bucket and replays it; logits land in one static buffer."""
+Forward = Callable[[ForwardBatch], torch.Tensor]
+CaptureBatch = Callable[[int, int], tuple[BatchInputs, Any]]   # (bucket, seed) -> (batch, its layout plan)
 
-    def __init__(self, target: GraphTarget, device: torch.device, logits: torch.Tensor,
-                 agree: Callable[[bool], bool]) -> None:
-        self.target, self.device, self.logits = target, device, logits
-        self.agree = agree                # all-rank AND of a flag, so every rank keeps the same buckets
+
+class GraphRunner:
+    """Captures ``forward`` per bucket and replays it; logits land in the static inputs' logits buffer.
+    ``agree``: all-rank AND of a flag, so every rank keeps the same buckets. ``collective_breaks``: the
+    forward meets peers inside breaks (then a failed capture must still meet them)."""
+
+    def __init__(self, forward: Forward, inputs: GraphInputs, device: torch.device,
+                 agree: Callable[[bool], bool], collective_breaks: bool) -> None:
+        self.forward, self.inputs, self.device = forward, inputs, device
+        self.agree, self.collective_breaks = agree, collective_breaks
         self.graphs: dict[int, BreakableGraph] = {}
-        self.capture_batches: dict[int, Any] = {}
         self.records: dict[int, BucketRecord] = {}
         self.captures = 0                 # capture attempts so far: stays constant while serving
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -89,15 +77,24 @@ class GraphRunner:
     def failures(self) -> dict[int, str]:
         return {b: r.error for b, r in self.records.items() if r.error}
 
+    def close(self) -> None:
+        """Drop every graph and the static buffers (their memory returns to the allocator)."""
+        self.graphs.clear()
+        self.inputs = None
+        self.pool = self.stream = None
+
     # -- capture ---------------------------------------------------------------------------------
-    def capture_all(self, buckets: list[int], progress: bool = False) -> list[BucketRecord]:
-        order = sorted(set(buckets), reverse=True)          # largest first: the pool is sized once
+    def capture_all(self, buckets: list[int], capture_batch: CaptureBatch,
+                    progress: bool = False) -> list[BucketRecord]:
+        """Capture every bucket, largest first (the pool is sized once), each on ``capture_batch(bucket,
+        seed)``: a batch that fills it, whose pages are all the dummy page."""
+        order = sorted(set(buckets), reverse=True)
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(order), desc="capturing graphs", unit="bucket", leave=True)
         for b in order:
-            rec = self.capture(b)
+            rec = self.capture(b, capture_batch)
             if bar is not None:
                 bar.set_postfix(bucket=b, s=f"{rec.capture_s:.2f}", mem=_fmt_bytes(rec.memory_bytes))
                 bar.update(1)
@@ -105,13 +102,13 @@ class GraphRunner:
             bar.close()
         return [self.records[b] for b in sorted(self.records)]
 
-    def capture(self, bucket: int) -> BucketRecord:
+    def capture(self, bucket: int, capture_batch: CaptureBatch) -> BucketRecord:
         self.captures += 1
-        t0, m0 = time.perf_counter(), _memory(self.device)
+        t0, m0 = time.perf_counter(), process_memory(self.device)
         error = None
         try:
             with nvtx_range(f"capture:{bucket}"):
-                graph = self._capture(bucket)
+                graph = self._capture(bucket, capture_batch)
         except GraphCaptureError as e:
             error, graph = str(e), None
         except RuntimeError as e:
@@ -125,7 +122,8 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         if not self.agree(error is None):
             error = error or "another rank failed to capture this bucket"
-        rec = BucketRecord(bucket, time.perf_counter() - t0, max(0, _memory(self.device) - m0), error)
+        grown = max(0, process_memory(self.device) - m0)        # this process's pool: not another rank's
+        rec = BucketRecord(bucket, time.perf_counter() - t0, grown, error)
         self.records[bucket] = rec
         if error is None:
             self.graphs[bucket] = graph
@@ -133,28 +131,52 @@ class GraphRunner:
             log.warning("graphcp: bucket %d runs eagerly: capture failed: %s", bucket, error)
         return rec
 
-    def _capture(self, bucket: int) -> BreakableGraph:
-        """CUDA: an eager warmup (lazy inits, autotuning, host syncs refused), then one capture. CPU: two
-        recorded passes with different batches, whose op sequences must agree. A rank whose capture fails
-        partway still issues the collectives its peers meet (logged by the eager warmup)."""
-        target, cuda = self.target, self.device.type == "cuda"
-
-        def run(batch: Any) -> None:
-            self.logits.copy_(target.forward(batch))
-
-        batch = target.prepare_for_capture(bucket, seed=bucket)
-        warmup = None
-        if cuda or target.has_collective_breaks():
-            warmup = SyncCheckedWarmup() if cuda else BreakLog()
+    def _warmup(self, run: Callable[[ForwardBatch], None], batch: ForwardBatch) -> BreakLog | None:
+        """The eager warmup before capture (CUDA: lazy inits, autotuning, host syncs refused; with
+        collective breaks: the log of collectives a failed capture must still issue). A rank that fails
+        here tells its peers at their next collective break, so no rank waits in a collective its peer
+        never reaches (``BreakLog.agree``); every rank then serves the bucket eagerly."""
+        cuda = self.device.type == "cuda"
+        if not (cuda or self.collective_breaks):
+            return None
+        agree = self.agree if self.collective_breaks else None
+        warmup = SyncCheckedWarmup(agree) if cuda else BreakLog(agree)
+        try:
             with warmup:
                 run(batch)
+        except PeerFailed as e:
+            raise GraphCaptureError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - OOM on a shared GPU, say: the bucket runs eagerly
+            if agree is not None:
+                agree(False)
+            raise GraphCaptureError(f"the eager warmup failed: {type(e).__name__}: {str(e)[:200]}") from None
+        if agree is not None and not agree(True):
+            raise GraphCaptureError("another rank's eager warmup failed")
         if cuda:
             torch.cuda.synchronize()
+        return warmup
+
+    def _capture(self, bucket: int, capture_batch: CaptureBatch) -> BreakableGraph:
+        """CUDA: an eager warmup, then one capture. CPU: two recorded passes with different batches, whose
+        op sequences must agree. A rank whose capture fails partway still issues the collectives its peers
+        meet (logged by the eager warmup)."""
+        inputs, cuda = self.inputs, self.device.type == "cuda"
+
+        def load(seed: int) -> ForwardBatch:
+            batch, plan = capture_batch(bucket, seed)
+            inputs.set_batch(batch)
+            return ForwardBatch(inputs.static, plan, inputs.aux)
+
+        def run(batch: ForwardBatch) -> None:
+            inputs.logits.copy_(self.forward(batch))
+
+        batch = load(bucket)
+        warmup = self._warmup(run, batch)
         passes = 1 if cuda else 2
         captures = []
         for i in range(passes):
             if i:
-                batch = target.prepare_for_capture(bucket, seed=bucket + i)
+                batch = load(bucket + i)
             cap = CudaCapture(self.pool, self.stream) if cuda else CpuCapture()
             try:
                 with cap:
@@ -166,23 +188,15 @@ class GraphRunner:
             captures.append(cap)
         if not cuda:
             check_same_ops(captures[0].signature, captures[1].signature, bucket)
-        self.capture_batches[bucket] = batch
-        return captures[-1].finish(target.static_tensors() + [self.logits])
+        return captures[-1].finish(inputs.tensors())
 
     # -- replay ----------------------------------------------------------------------------------
-    def replay(self, bucket: int, batch: Any) -> torch.Tensor:
-        """Copy the live batch in, replay, and return the static logits buffer."""
-        self.target.prepare_for_replay(batch)
+    def replay(self, bucket: int, batch: BatchInputs, host: Any) -> torch.Tensor:
+        """Copy the live batch in, replay with its host data, and return the static logits buffer."""
+        self.inputs.set_batch(batch)
         with nvtx_range(f"graph_replay:{bucket}"):
-            self.graphs[bucket].replay(swap=(self.capture_batches[bucket].host, batch.host))
-        return self.logits
-
-
-def _memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        used = gpu_memory_used(device.index or 0)
-        return used if used is not None else torch.cuda.memory_reserved(device)
-    return rss_bytes()
+            self.graphs[bucket].replay(host=host)
+        return self.inputs.logits
 
 
 def _fmt_bytes(n: int) -> str:

@@ -148,14 +148,5 @@ def flashinfer_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     return out
 
 
-def probe(variant: str, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-          page_size: int) -> str | None:
-    """None when ``variant`` serves a probe batch as the torch kernel does, else why not: flashinfer compiles
-    or downloads its kernels on first use, which can fail on an offline or unsupported machine."""
-    from graphcp.kernels.probe import probe_kernel
-    fn = flashinfer_trtllm_attention if variant == "trtllm" else flashinfer_paged_attention
-    return probe_kernel(fn, device, dtype, num_heads, num_kv_heads, head_dim, page_size)
-
-
 __all__ = ["flashinfer_installed", "variant_for_capability", "unsupported_reason", "flashinfer_trtllm_attention",
-           "flashinfer_paged_attention", "probe"]
+           "flashinfer_paged_attention"]

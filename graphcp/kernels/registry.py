@@ -1,9 +1,12 @@
-"""The attention kernels in one place: what each can serve, whether it is capturable, how it is probed,
-and the one call that spells the shared kernel signature.
+"""Every kernel graphcp launches, in one registry, with one rule for choosing and checking them.
 
-Kernels are imported lazily, so the engine runs where Triton or flashinfer is absent. ``resolve_kernel``
-is the one choice: an explicit request that cannot be served is a ConfigError naming the flag; ``auto``
-takes flashinfer where it is installed, fits and passes its probe, then Triton on CUDA, then torch.
+A ``KernelSpec`` names an op (``attention``, ``kv_write``, ``dsa``, ``rms_norm``, ``rope``,
+``fp8_gemm``, ``moe_experts``), an implementation, where its function lives (imported on first use,
+so the engine runs where Triton or flashinfer is absent), whether a CUDA graph can hold it, and what
+it cannot serve. ``check`` is the one start-up test of a compiled kernel against its torch form (one
+tolerance table); ``probe_op``/``chosen`` the table of layer ops whose Triton form passed its check
+(models only ask ``chosen``). The choices themselves, with each kernel's check inputs, are in
+``kernels/resolve.py``.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import register_dataclass
@@ -21,7 +24,10 @@ from graphcp.errors import ConfigError
 
 log = logging.getLogger("graphcp")
 Kernel = Callable[..., torch.Tensor]
+ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "torch")     # --attention-kernel
 TRITON_HEAD_DIMS = (64, 128)
+# Relative max error a compiled kernel may show against its torch form at start, per dtype.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
 
 @dataclass
@@ -43,7 +49,19 @@ register_dataclass(KernelArgs)
 
 
 @dataclass(frozen=True)
+class KernelContext:
+    """What a kernel choice depends on."""
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int = 0
+    heads: tuple[int, int] | None = None   # (query, KV) heads on this rank: probe the choice when given
+    page_size: int = 16
+    bottom_right: bool = True              # False: per-token causal limits (interleave)
+
+
+@dataclass(frozen=True)
 class KernelSpec:
+    op: str
     name: str
     module: str                  # where the function lives (imported on first use)
     function: str
@@ -62,124 +80,120 @@ class KernelSpec:
         return self.fn(args.q, args.k_pool, args.v_pool, args.cu_seqlens_q, args.page_rows, args.q_limits,
                        args.page_size, args.scale, max_q, max_kv, args.out, workspace=workspace)
 
-    def unsupported_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int,
-                           bottom_right: bool) -> str | None:
-        """Why this kernel cannot serve the configuration (naming what to change), or None."""
+    def unsupported_reason(self, ctx: KernelContext) -> str | None:
+        """Why this kernel cannot serve ``ctx`` (naming what to change), or None."""
         if self.name == "triton":
-            if not triton_available(device):
-                return ("needs the triton package (and on CPU, TRITON_INTERPRET=1 is set by graphcp); "
-                        "install graphcp[test]")
-            if head_dim not in TRITON_HEAD_DIMS:
-                return f"supports head_dim {TRITON_HEAD_DIMS}, the model has {head_dim}"
+            why = triton_unusable(ctx.device)
+            if why is not None:
+                return why
+            if self.op == "attention" and ctx.head_dim not in TRITON_HEAD_DIMS:
+                return f"supports head_dim {TRITON_HEAD_DIMS}, the model has {ctx.head_dim}"
         if self.name.startswith("flashinfer"):
-            return importlib.import_module(_FI).unsupported_reason(device, dtype, head_dim, bottom_right)
+            fi = importlib.import_module(_FI)
+            return fi.unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim, ctx.bottom_right)
         return None
-
-    def probe(self, device: torch.device, dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
-              page_size: int) -> str | None:
-        """One small call checked against the torch kernel, where the kernel compiles or downloads code on
-        first use (CUDA); None when it agrees."""
-        if self.name == "torch" or device.type != "cuda":
-            return None
-        if self.name.startswith("flashinfer"):
-            return importlib.import_module(_FI).probe(self.name.split("-", 1)[1], device, dtype, *heads,
-                                                      head_dim, page_size)
-        from graphcp.kernels.probe import probe_kernel
-        return probe_kernel(self.fn, device, dtype, *heads, head_dim, page_size)
 
 
 _FI = "graphcp.kernels.flashinfer_attention"
+_K = "graphcp.kernels."
 KERNELS = {
-    "torch": KernelSpec("torch", "graphcp.kernels.torch_ref", "torch_paged_attention", False),
-    "triton": KernelSpec("triton", "graphcp.kernels.triton_attention", "triton_paged_attention",
-                         True),
-    "flashinfer-trtllm": KernelSpec("flashinfer-trtllm", _FI, "flashinfer_trtllm_attention", True),
+    "torch": KernelSpec("attention", "torch", _K + "torch_ref", "torch_paged_attention", False),
+    "triton": KernelSpec("attention", "triton", _K + "triton_attention", "triton_paged_attention", True),
+    "flashinfer-trtllm": KernelSpec("attention", "flashinfer-trtllm", _FI, "flashinfer_trtllm_attention", True),
     # The paged wrapper plans on the host: always a break.
-    "flashinfer-paged": KernelSpec("flashinfer-paged", _FI, "flashinfer_paged_attention", False),
+    "flashinfer-paged": KernelSpec("attention", "flashinfer-paged", _FI, "flashinfer_paged_attention", False),
+}
+# The Triton forms of the other ops (their torch forms live beside the code that calls them).
+LAYER_KERNELS = {
+    "kv_write": KernelSpec("kv_write", "triton", _K + "triton_kv_write", "triton_kv_write", True),
+    "dsa": KernelSpec("dsa", "triton", _K + "triton_dsa", "indexer_scores", True),
+    "rms_norm": KernelSpec("rms_norm", "triton", _K + "triton_rmsnorm", "triton_rms_norm", True),
+    "rope": KernelSpec("rope", "triton", _K + "triton_rope", "triton_rope", True),
+    "fp8_gemm": KernelSpec("fp8_gemm", "triton", _K + "triton_fp8_gemm", "triton_fp8_linear", True),
+    "moe_experts": KernelSpec("moe_experts", "triton", _K + "triton_moe", "triton_experts", True),
 }
 
 
 def kernel_fn(name: str, device: torch.device | str | None = None) -> tuple[Kernel, bool]:
-    """(kernel function, capturable on ``device``)."""
+    """(attention kernel function, capturable on ``device``)."""
     spec = KERNELS[name]
     return spec.fn, spec.capturable(device)
 
 
-def kv_write_kernel(device: torch.device) -> Kernel | None:
-    """The Triton scatter of K/V rows into the pool on CUDA where triton is importable; None: index_copy_."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return None
+# -- the one check ---------------------------------------------------------------------------------
+def compare(got: Any, want: Any, dtype: torch.dtype, reference: str = "the torch form") -> str | None:
+    """None when every tensor of ``got`` equals ``want``'s within the dtype's tolerance (relative to the
+    largest reference value) with the same -inf/+inf/NaN pattern; else the worst error."""
+    pairs = list(zip(got, want)) if isinstance(want, (tuple, list)) else [(got, want)]
+    worst = 0.0
+    for a, b in pairs:
+        a, b = a.float().cpu(), b.float().cpu()
+        if a.shape != b.shape:
+            return f"gives shape {list(a.shape)}, {reference} {list(b.shape)}"
+        finite = torch.isfinite(b)
+        if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[~finite].nan_to_num(),
+                                                                       b[~finite].nan_to_num()):
+            return f"differs from {reference} where the reference is not finite (masking)"
+        if finite.any():
+            scale = b[finite].abs().max().clamp_min(1e-6)
+            worst = max(worst, float((a[finite] - b[finite]).abs().max() / scale))
+    if not worst <= TOLERANCE.get(dtype, 3e-2):
+        return f"disagrees with {reference} (max rel err {worst:.2e})"
+    return None
+
+
+def check(run: Callable[[], Any], reference: Callable[[], Any], dtype: torch.dtype,
+          reference_name: str = "the torch form") -> str | None:
+    """Run a kernel once against its torch form; None when it agrees, else why not (a compile or launch
+    failure, or a wrong result)."""
     try:
-        from graphcp.kernels.triton_kv_write import triton_kv_write
-    except ImportError:
-        return None
-    return triton_kv_write
+        got = run()
+    except Exception as e:  # noqa: BLE001 - any failure means this kernel cannot serve here
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return f"failed its first call ({type(e).__name__}: {first})"
+    return compare(got, reference(), dtype, reference_name)
 
 
-def triton_available(device: torch.device) -> bool:
-    """Triton runs on CUDA GPUs, and on CPU in its interpreter, which must be chosen before triton is
-    imported: graphcp asks for it (TRITON_INTERPRET=1) when it first resolves a kernel on CPU."""
+def triton_unusable(device: torch.device) -> str | None:
+    """Why Triton cannot run on ``device``: CUDA GPUs, and CPU in its interpreter (TRITON_INTERPRET=1,
+    which must be set before triton is imported: ``use_triton_interpreter``)."""
     if importlib.util.find_spec("triton") is None:
-        return False
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        return os.environ["TRITON_INTERPRET"] == "1"
-    return device.type == "cuda"
+        return "needs the triton package; install graphcp[test]"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "runs on CPU only in Triton's interpreter: set TRITON_INTERPRET=1 before starting"
+    return None if device.type in ("cpu", "cuda") else f"does not run on {device.type}"
 
 
-def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   bottom_right: bool = True, heads: tuple[int, int] | None = None,
-                   page_size: int = 16) -> str:
-    """The kernel behind the backend. The Triton kernel covers head_dim 64 and 128; other sizes go
-    through the torch kernel. ``bottom_right`` is False for interleave, whose per-token causal limits
-    flashinfer does not take. With ``heads`` (query, kv heads on this rank), a flashinfer or CUDA Triton
-    choice is first probed with one small call checked against the torch kernel."""
-    fi = importlib.import_module(_FI)
-
-    def reason(spec: KernelSpec) -> str | None:
-        why = spec.unsupported_reason(device, dtype, head_dim, bottom_right)
-        if why is None and heads is not None:
-            why = spec.probe(device, dtype, heads, head_dim, page_size)
-        return why
-
-    if requested == "flashinfer":
-        if not fi.flashinfer_installed() or device.type != "cuda":
-            spec = KERNELS["flashinfer-paged"]
-        else:
-            spec = KERNELS["flashinfer-" + _flashinfer_variant(device)]
-        why = reason(spec)
-        if why is not None:
-            raise ConfigError(f"--attention-kernel flashinfer {why}; "
-                              f"or choose --attention-kernel triton or torch")
-        return spec.name
-    if requested == "triton":
-        if not triton_available(device):
-            raise ConfigError("--attention-kernel triton needs the triton package (and on CPU, "
-                              "TRITON_INTERPRET=1 is set by graphcp); install graphcp[test] or choose "
-                              "--attention-kernel torch")
-        if head_dim not in TRITON_HEAD_DIMS:
-            return "torch"
-        why = reason(KERNELS["triton"])
-        if why is not None:
-            raise ConfigError(f"--attention-kernel triton {why}; choose --attention-kernel torch")
-        return "triton"
-    if requested == "torch" or device.type != "cuda":
-        return "torch"
-    if fi.flashinfer_installed():
-        spec = KERNELS["flashinfer-" + _flashinfer_variant(device)]
-        why = reason(spec)
-        if why is None:
-            return spec.name
-        log.info("graphcp: attention kernel auto: not flashinfer, which %s", why)
-    triton = KERNELS["triton"]
-    if triton.unsupported_reason(device, dtype, head_dim, bottom_right) is None:
-        why = reason(triton)
-        if why is None:
-            return "triton"
-        log.warning("graphcp: attention kernel auto: the Triton kernel %s; using the torch kernel", why)
-    return "torch"
+def use_triton_interpreter() -> None:
+    """Ask for Triton's CPU interpreter (``--attention-kernel triton`` on CPU). The engine calls this at
+    start, before anything imports triton; rank processes inherit it."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _flashinfer_variant(device: torch.device) -> str:
-    fi = importlib.import_module(_FI)
-    return fi.variant_for_capability(torch.cuda.get_device_capability(device))
+# -- layer ops whose Triton form passed its check ------------------------------------------------------
+_CHOSEN: dict[str, Callable | None] = {}
+
+
+def probe_op(op: str, run: Callable[[Callable], Any], reference: Callable[[], Any], dtype: torch.dtype) -> bool:
+    """Check the Triton form of layer op ``op`` once (at engine start, eagerly, before any capture); it
+    serves from then on only if it agrees, else one warning says why and the torch form serves."""
+    spec = LAYER_KERNELS[op]
+    reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype))
+    fn = None
+    if reason is None:
+        try:
+            fn = spec.fn
+        except ImportError as e:
+            reason = f"cannot be imported ({e})"
+    if reason is None:
+        reason = check(lambda: run(fn), reference, dtype)
+    if reason is not None:
+        log.warning("graphcp: the Triton %s %s; using the torch form", op, reason)
+        fn = None
+    _CHOSEN[op] = fn
+    return fn is not None
+
+
+def chosen(op: str) -> Callable | None:
+    """The Triton form of ``op`` once its start-up check accepted it; None: use the torch form."""
+    return _CHOSEN.get(op)

@@ -1,5 +1,48 @@
-"""Paged KV cache: the pool tensors, the page allocator and per-request page tables."""
-from graphcp.kv.cache import KVPool
-from graphcp.kv.pages import PageTable, RequestKV
+"""Paged KV cache: the pool tensors (generic over the layer kinds' parts), LayerSplit pools, the page
+allocator and per-request page tables, and ``make_pool``: the one place a rank's pool is built."""
+from __future__ import annotations
 
-__all__ = ["KVPool", "PageTable", "RequestKV"]
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from graphcp.config import EngineArgs
+from graphcp.kv.cache import DUMMY_SLOT, CachePart, LayerParts, PagedPool, bytes_per_token
+from graphcp.kv.layer_split import LayerSplitPool
+from graphcp.kv.pages import PageTable, RequestKV
+from graphcp.kv.sizing import context_limit, kv_tokens
+
+if TYPE_CHECKING:
+    from graphcp.dist.parallel import RankParallel
+
+
+@dataclass
+class RankCache:
+    pool: PagedPool
+    num_pages: int          # pages of every page table (the reserved dummy page included)
+    max_context: int        # the longest request (cached + new tokens) this rank accepts
+
+
+def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: torch.dtype, max_positions: int,
+              sliding_window: int | None, write_kernel: Callable | None = None, announce: bool = False) -> RankCache:
+    """The rank's pool for ``parts`` (its stage's layers), sized alike on every rank (the least free memory
+    of any rank). PD LayerSplit: each CP rank keeps only its own layers (and a scratch layer), so the pool
+    is sized as if it held 1/C of them."""
+    per_token, split = bytes_per_token(parts, dtype), args.enable_dsa_cache_layer_split
+    if split:
+        per_token = -(-per_token // args.cp_size)
+    tokens = kv_tokens(args.max_total_tokens, per_token, par.device, par.ranks_per_device, max_positions,
+                       args.max_batch_requests, args.page_size, agree_min=par.min_over_world)
+    num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
+    max_context = context_limit(max_positions, tokens, sliding_window, announce)
+    if split:
+        pool = LayerSplitPool(parts, num_pages, args.page_size, dtype, par.device, par.groups.cp, par.cp_ranks,
+                              par.me.cp_rank)
+    else:
+        pool = PagedPool(parts, num_pages, args.page_size, dtype, par.device, write_kernel)
+    return RankCache(pool, num_pages, max_context)
+
+
+__all__ = ["DUMMY_SLOT", "CachePart", "LayerParts", "PagedPool", "LayerSplitPool", "PageTable", "RequestKV",
+           "RankCache", "bytes_per_token", "make_pool"]

@@ -1,10 +1,15 @@
-"""The KV pool: per layer, K and V as [slots, kv_heads, head_dim] with slot = page * page_size + offset.
+"""The paged pool: for each layer, the parts its layer kind caches per token (dense K and V; DSA's MLA
+rows and indexer keys), each stored as ``[slots, *row shape]`` with slot = page * page_size + offset.
 
 Page 0 is reserved: its first slot is the dummy slot that padding rows write to, so padded graph
-replays never touch a real cache entry.
+replays never touch a real cache entry. The pool knows nothing of model families: a layer kind names
+its parts (``CachePart``) and the pool stores them; ``graphcp/attention/kinds.py`` says which kind each
+layer has and how the engine returns its cache.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -12,9 +17,28 @@ import torch
 DUMMY_SLOT = 0
 
 
+@dataclass(frozen=True)
+class CachePart:
+    """One thing a layer caches per token: ``name`` and the shape of one token's row."""
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.shape)
+
+
+LayerParts = dict[int, tuple[CachePart, ...]]    # layer id -> its parts, in the order it writes them
+
+
+def bytes_per_token(parts: LayerParts, dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return size * sum(p.width for layer in parts.values() for p in layer)
+
+
 class PoolHooks:
     """What the runner and the attention ops ask of every pool, as a pool that holds every layer answers.
-    LayerSplit pools (graphcp/pd/layer_split.py) override them."""
+    LayerSplit pools (``kv/layer_split.py``) override them."""
 
     def held_layers(self, stage_layers: range) -> range:
         """The layers whose cache this pool keeps between batches."""
@@ -39,52 +63,59 @@ class PoolHooks:
         return slots
 
 
-class KVPool(PoolHooks):
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
-                 write_kernel: Callable | None = None) -> None:
-        self.num_pages, self.page_size = num_pages, page_size
-        self.layer_offset = layer_offset     # a pipeline stage stores layers [offset, offset + num_layers)
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.device = self.k.device
-        self._write_kernel = write_kernel     # a fused scatter of K and V (Triton on CUDA), else index_copy_
+class PagedPool(PoolHooks):
+    """Every part of every layer of ``parts`` in full; the parts of one name are stacked over the layers
+    that have them (one tensor each, which a PD sender registers once)."""
 
-    def keys(self, layer: int) -> torch.Tensor:
-        return self.k[layer - self.layer_offset]
+    def __init__(self, parts: LayerParts, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device, write_kernel: Callable | None = None) -> None:
+        self.layer_parts, self.num_pages, self.page_size = dict(parts), num_pages, page_size
+        self.dtype = dtype
+        self._write_kernel = write_kernel      # a fused scatter of K and V (Triton on CUDA), else index_copy_
+        slots = num_pages * page_size
+        self.storage: dict[str, torch.Tensor] = {}
+        self._index: dict[tuple[int, str], int] = {}       # (layer, part name) -> row in storage[name]
+        shapes: dict[str, tuple[int, ...]] = {}
+        for layer, layer_parts in self.layer_parts.items():
+            for part in layer_parts:
+                if shapes.setdefault(part.name, part.shape) != part.shape:
+                    raise ValueError(f"part {part.name!r} has two row shapes")
+                self._index[layer, part.name] = sum(1 for (_, n) in self._index if n == part.name)
+        for name, shape in shapes.items():
+            count = sum(1 for (_, n) in self._index if n == name)
+            self.storage[name] = torch.zeros((count, slots) + shape, dtype=dtype, device=device)
+        self.device = torch.device(device)
 
-    def values(self, layer: int) -> torch.Tensor:
-        return self.v[layer - self.layer_offset]
+    def part(self, layer: int, name: str) -> torch.Tensor:
+        """``layer``'s storage of part ``name``: [slots, *row shape]."""
+        return self.storage[name][self._index[layer, name]]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        layer -= self.layer_offset
-        if self._write_kernel is not None:
-            self._write_kernel(self.k[layer], self.v[layer], slots, k, v)
+    def has_part(self, layer: int, name: str) -> bool:
+        return (layer, name) in self._index
+
+    def write(self, layer: int, name: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.part(layer, name).index_copy_(0, self.map_slots(layer, slots), rows)
+
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Dense K and V together: one fused launch where the write kernel runs."""
+        if self._write_kernel is not None and self.map_slots(layer, slots) is slots:
+            self._write_kernel(self.part(layer, "k"), self.part(layer, "v"), slots, k, v)
             return
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.write(layer, "k", slots, k)
+        self.write(layer, "v", slots, v)
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys(layer).index_select(0, slots), self.values(layer).index_select(0, slots)
-
-    def export(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of ``slots`` as the engine returns them: [kv_heads, n, head_dim], CPU fp32."""
-        k, v = self.read(layer, slots)
-        return k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every part of ``layer`` at engine ``slots``, in the layer's part order."""
+        return tuple(self.part(layer, p.name).index_select(0, slots) for p in self.layer_parts[layer])
 
     # -- what a PD sender reads (graphcp/pd/sender.py): rows [slots, ...], one token each -----------------
     def transfer_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
-        return self.keys(layer), self.values(layer)
+        return tuple(self.part(layer, p.name) for p in self.layer_parts[layer])
 
     def registered(self) -> tuple[torch.Tensor, ...]:
         """The tensors a sender registers with its transfer engine: every part lies in one of them."""
-        return self.k, self.v
+        return tuple(self.storage.values())
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return sum(t.numel() * t.element_size() for t in self.storage.values())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -11,14 +12,21 @@ from graphcp.errors import ConfigError
 log = logging.getLogger("graphcp")
 
 
-def kv_tokens(max_total_tokens: int | None, bytes_per_token: int, device: torch.device, ranks_sharing: int,
-              max_positions: int, max_batch_requests: int, page_size: int) -> int:
-    """--max-total-tokens (checked against free memory), else a share of free memory. Memory is split
-    among the ``ranks_sharing`` ranks on one device (the host's memory on CPU, one GPU on CUDA)."""
+def free_memory(device: torch.device, ranks_sharing: int) -> int:
+    """This rank's share of the free memory of its device (the host's memory on CPU, one GPU on CUDA)."""
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0] // ranks_sharing
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_sharing
+        return torch.cuda.mem_get_info(device)[0] // ranks_sharing
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks_sharing
+
+
+def kv_tokens(max_total_tokens: int | None, bytes_per_token: int, device: torch.device, ranks_sharing: int,
+              max_positions: int, max_batch_requests: int, page_size: int,
+              agree_min: Callable[[int], int] = lambda n: n) -> int:
+    """--max-total-tokens (checked against free memory), else a share of free memory. ``agree_min`` takes
+    the minimum over every rank: ranks read free memory at different moments (ranks sharing a GPU see
+    each other's allocations), and every rank must hold the same number of pages, or the planner
+    would refuse a batch on one rank only while its peers wait in a collective."""
+    free = agree_min(free_memory(device, ranks_sharing))
     if max_total_tokens is not None:
         need = max_total_tokens * bytes_per_token
         if need > 0.9 * free:

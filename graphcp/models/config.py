@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from graphcp.errors import ConfigError
 from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
-from graphcp.models.hybrid_config import (HYBRID_ARCHITECTURES, HYBRID_MODEL_TYPES, HybridConfig,
-                                          hybrid_fields)
+from graphcp.models.hybrid_config import (HYBRID_ARCHITECTURES, HYBRID_DEFAULTS, HYBRID_MODEL_TYPES,
+                                          HybridConfig, hybrid_fields, hybrid_kinds, hybrid_rope)
+from graphcp.models.rope import DEFAULT_THETA, read_rope, rope_positions
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -24,6 +25,24 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                 "glm_moe_dsa": "GlmMoeDsaForCausalLM", **HYBRID_MODEL_TYPES}
+# transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
+# another fallback (tests/test_config_fields.py checks every field against the classes).
+_QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
+_HF_DEFAULTS = {
+    "LlamaForCausalLM": dict(max_position_embeddings=2048),
+    "MistralForCausalLM": dict(max_position_embeddings=131072, sliding_window=4096,
+                               num_key_value_heads=8),
+    "Qwen2ForCausalLM": dict(_QWEN, max_window_layers=28, num_key_value_heads=32),
+    "Qwen3ForCausalLM": dict(_QWEN, max_window_layers=28, num_key_value_heads=32, head_dim=128),
+    "Qwen3MoeForCausalLM": dict(_QWEN, num_key_value_heads=4, num_experts=128,
+                                num_experts_per_tok=8, moe_intermediate_size=768),
+    "DeepseekV32ForCausalLM": dict(max_position_embeddings=163840, routed_scaling_factor=2.5,
+                                   n_shared_experts=1, n_group=8, topk_group=4),
+    "GlmMoeDsaForCausalLM": dict(max_position_embeddings=202752, rms_norm_eps=1e-5,
+                                 routed_scaling_factor=2.5, n_shared_experts=1, n_group=1,
+                                 topk_group=1),
+    **HYBRID_DEFAULTS,
+}
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
           "num_attention_heads": 1024, "num_experts": 4096,
@@ -33,7 +52,7 @@ LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512,
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    family: str                  # llama | qwen2 | qwen3 | deepseek_v32 | glm_moe_dsa | hybrid
+    family: str                  # the model class (models/families.py): llama, qwen3, hybrid, ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -43,7 +62,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict | None    # standardized rope parameters (models/rope.py); None: default RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -60,6 +79,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
     hybrid: HybridConfig | None = None  # Gated DeltaNet + gated attention (models/hybrid_config.py)
+    attention_kinds: tuple[str, ...] = ()   # per layer: the attention kind (graphcp/attention/kinds.py)
 
     @property
     def q_size(self) -> int:
@@ -68,6 +88,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def max_positions(self) -> int:
+        """The longest context the RoPE tables cover (YaRN's extended one where it is longer)."""
+        return rope_positions(self.rope_scaling, self.max_position_embeddings)
 
 
 def read_model_config(model_path: str) -> ModelConfig:
@@ -90,8 +115,14 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         raise ConfigError(f"--model-path: architecture {arch or raw.get('model_type')!r} is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
+    raw = {**_HF_DEFAULTS[arch], **_expert_count(raw, arch)}
     if arch == "Qwen3_5MoeForCausalLM":     # every layer is MoE: no dense FFN size of its own
         raw.setdefault("intermediate_size", raw.get("moe_intermediate_size"))
+    # transformers builds model_type's class (AutoModelForCausalLM), whatever architectures names.
+    built = _MODEL_TYPES.get(raw.get("model_type", ""), arch)
+    if built != arch:
+        raise ConfigError(f"--model-path: {source} model_type {raw['model_type']!r} (which "
+                          f"transformers builds as {built}) disagrees with architectures {archs!r}")
 
     def need(key: str) -> int:
         if key not in raw or not isinstance(raw[key], int) or raw[key] < 1:
@@ -104,18 +135,12 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         raise ConfigError(f"--model-path: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
-    head_dim = raw.get("head_dim") or hidden // heads
+    # DSA: RoPE covers the decoupled rope part only (HF overwrites head_dim with it)
+    dsa = arch in DSA_ARCHITECTURES
+    head_dim = raw.get("qk_rope_head_dim") if dsa else raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
-        raise ConfigError(f"--model-path: head_dim={head_dim!r} must be an even positive integer")
-    rope = dict(raw.get("rope_parameters") or {})
-    legacy = raw.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    dsa_yarn = rope_type == "yarn" and arch in DSA_ARCHITECTURES      # DeepSeek's YaRN (dsa_rope.py)
-    if rope_type not in ("default", "linear", "llama3") and not dsa_yarn:
-        raise ConfigError(f"--model-path: rope_type {rope_type!r} is not supported (default, linear, llama3)")
-    scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        name = "qk_rope_head_dim" if dsa else "head_dim"
+        raise ConfigError(f"--model-path: {name}={head_dim!r} must be an even positive integer")
     fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
@@ -126,7 +151,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         architecture=arch, family=family, vocab_size=need("vocab_size"), hidden_size=hidden,
         intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=DEFAULT_THETA, rope_scaling=None,         # read below, over the final head_dim
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
@@ -137,24 +163,46 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
         fp8_block=fp8_block, fp8_skip=fp8_skip,
     )
-    if arch in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):
-        # transformers 5 writes the expert count as num_local_experts; released checkpoints say num_experts.
-        raw.setdefault("num_experts", raw.get("num_local_experts"))
-        if arch == "Qwen3_5MoeForCausalLM":       # its router always renormalises the top-k
-            raw = {**raw, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
-        if arch != "Qwen3NextForCausalLM" or raw.get("num_experts"):
-            cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
-    if family == "hybrid":
-        cfg = replace(cfg, hybrid=hybrid_fields(raw, arch, cfg.num_hidden_layers, head_dim, need))
-    if arch in DSA_ARCHITECTURES:       # RoPE covers the decoupled rope part only (HF's head_dim)
+    if arch == "Qwen3_5MoeForCausalLM":       # its router always renormalises the top-k
+        raw = {**raw, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch in ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM") or (
+            arch == "Qwen3NextForCausalLM" and raw.get("num_experts")):
+        cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
+    if arch in DSA_ARCHITECTURES:
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
-        cfg = replace(cfg, head_dim=cfg.dsa.qk_rope_head_dim)
+    rope_raw, rope_dim = raw, cfg.head_dim
+    if family == "hybrid":       # RoPE covers the first rotary_dim of each full-attention head
+        cfg = replace(cfg, hybrid=hybrid_fields(raw, arch, cfg.num_hidden_layers, head_dim, need))
+        rope_raw, rope_dim = hybrid_rope(raw), cfg.hybrid.rotary_dim
+    theta, scaling = read_rope(rope_raw, rope_dim, cfg.max_position_embeddings)
+    cfg = replace(cfg, rope_theta=theta, rope_scaling=scaling)
+    if not 1 <= cfg.max_positions <= LIMITS["max_position_embeddings"]:
+        raise ConfigError(f"--model-path: {source} gives {cfg.max_positions} positions "
+                          "(max_position_embeddings and the rope scaling); the limit is "
+                          f"{LIMITS['max_position_embeddings']}")
+    kinds = (hybrid_kinds(cfg.hybrid) if cfg.hybrid is not None
+             else ("dsa" if cfg.dsa is not None else "gqa",) * cfg.num_hidden_layers)
+    cfg = replace(cfg, attention_kinds=kinds)
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
     if params > 2 * 10**12:
         raise ConfigError(f"--model-path: {source} describes {params / 1e9:.0f}B parameters, beyond any machine")
     return cfg
+
+
+def _expert_count(raw: dict, arch: str) -> dict:
+    """The expert count under the name graphcp reads, from the spellings transformers accepts:
+    Qwen3-MoE's ``num_local_experts`` (transformers 5) over ``num_experts`` (released checkpoints);
+    for DSA models ``num_experts`` over ``num_local_experts`` over ``n_routed_experts``."""
+    if arch == "Qwen3MoeForCausalLM":
+        names, key = ("num_local_experts", "num_experts"), "num_experts"
+    elif arch in DSA_ARCHITECTURES:
+        names, key = ("num_experts", "num_local_experts", "n_routed_experts"), "n_routed_experts"
+    else:
+        return raw
+    given = [raw[n] for n in names if raw.get(n) is not None]
+    return {**raw, key: given[0]} if given else raw
 
 
 def _moe_fields(raw: dict, num_layers: int, need) -> dict:  # noqa: ANN001

@@ -9,6 +9,11 @@ from graphcp.errors import ConfigError
 
 DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM": "deepseek_v32",
                      "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+# Released config.json fields that transformers never reads: it runs exactly these values (sigmoid
+# router with the score-correction bias, fp32 router, MoE on every layer past the dense ones,
+# interleaved MLA RoPE), and so does graphcp. Any other value is refused, not silently replaced.
+_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+          "moe_router_dtype": "float32", "rope_interleave": True}
 
 
 @dataclass(frozen=True)
@@ -36,19 +41,20 @@ class DSAConfig:
 
 def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]) -> dict:
     """ModelConfig fields of a DSA model: its MLA/indexer config and its MoE layers."""
+    glm = arch == "GlmMoeDsaForCausalLM"
+    # HF rotates GLM-5's indexer interleaved and V3.2's half-split, whatever the field says.
+    for key, value in {**_FIXED, "indexer_rope_interleave": glm}.items():
+        if key in raw and raw[key] != value:
+            raise ConfigError(f"--model-path: {key}={raw[key]!r} is not supported: transformers "
+                              f"and graphcp run {arch} with {key}={value!r}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
+        raise ConfigError(f"--model-path: layer_types={layer_types!r} is not supported: every "
+                          "layer of a DSA model is 'indexed_attention'")
     for key in ("num_key_value_heads",):
         if raw.get(key, raw["num_attention_heads"]) != raw["num_attention_heads"]:
             raise ConfigError(f"--model-path: MLA needs num_key_value_heads == "
                               f"num_attention_heads, got {raw.get(key)}")
-    rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise ConfigError(f"--model-path: DSA models support rope_type 'default' and 'yarn', got "
-                          f"{rope_type!r}")
-    yarn_keys = ("factor", "original_max_position_embeddings")
-    if rope_type == "yarn" and not all(rope.get(k) for k in yarn_keys):
-        raise ConfigError("--model-path: yarn rope_parameters need factor and "
-                          "original_max_position_embeddings")
     if raw.get("q_lora_rank") is None:
         raise ConfigError("--model-path: DSA models need q_lora_rank (MLA with a query LoRA)")
     dsa = DSAConfig(
@@ -56,7 +62,7 @@ def dsa_fields(raw: dict, arch: str, num_layers: int, need: Callable[[str], int]
         qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
         v_head_dim=need("v_head_dim"), index_n_heads=need("index_n_heads"),
         index_head_dim=need("index_head_dim"), index_topk=need("index_topk"),
-        indexer_rope_interleaved=arch == "GlmMoeDsaForCausalLM",
+        indexer_rope_interleaved=glm,
         shared_indexer=_shared_indexer(raw, arch, num_layers),
         attention_bias=bool(raw.get("attention_bias", False)),
         n_group=need("n_group"), topk_group=need("topk_group"),
@@ -93,13 +99,32 @@ def _moe_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def _shared_indexer(raw: dict, arch: str, num_layers: int) -> tuple[bool, ...]:
-    """GLM-5's ``indexer_types`` ("full" / "shared"); V3.2 runs the indexer on every layer."""
-    types = raw.get("indexer_types") if arch == "GlmMoeDsaForCausalLM" else None
-    if types is None:
+    """Per layer: does it reuse the previous layer's top-k (GLM-5 IndexShare "shared")? As HF's
+    GlmMoeDsaConfig decides: ``indexer_types``; else ``index_topk_pattern`` ("F"/"S" per layer,
+    or a list of modes); else the schedule: layer i runs its indexer when
+    ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 2 and 1: every
+    layer). V3.2 runs the indexer on every layer."""
+    if arch != "GlmMoeDsaForCausalLM":
         return (False,) * num_layers
-    if len(types) != num_layers or not set(types) <= {"full", "shared"} or types[0] != "full":
-        raise ConfigError(f"--model-path: indexer_types={types!r} must give 'full' or 'shared' per "
-                          "layer, the first 'full'")
+    field, types = "indexer_types", raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        field, pattern = "index_topk_pattern", raw["index_topk_pattern"]
+        modes = {"F": "full", "S": "shared"}
+        types = [modes.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    elif types is None:
+        field = "index_topk_freq / index_skip_topk_offset"
+        freq, offset = raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (freq, offset)):
+            raise ConfigError(f"--model-path: index_topk_freq={freq!r} and index_skip_topk_offset="
+                              f"{offset!r} must be integers")
+        freq = max(freq, 1)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                 for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or not set(types) <= {"full", "shared"} or types[0] != "full"):
+        raise ConfigError(f"--model-path: {field} gives indexer modes {types!r}: need 'full' or "
+                          f"'shared' for each of the {num_layers} layers, the first 'full' (a "
+                          "shared layer reuses the top-k of the layer before)")
     return tuple(t == "shared" for t in types)
 
 

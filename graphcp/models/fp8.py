@@ -19,7 +19,7 @@ from torch import nn
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig
-from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.kernels.registry import chosen, probe_op
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -240,7 +240,7 @@ def linear(
     ``probe_gemm`` accepted it at start; the torch form serves where Triton cannot)."""
     if not isinstance(weight, Fp8Weight):
         return nn.functional.linear(x, weight, bias)
-    fn = checked_kernel("fp8_gemm") if x.is_cuda else None
+    fn = chosen("fp8_gemm") if x.is_cuda else None
     if fn is None:
         return fp8_linear_torch(x, weight, bias)
     return fn(x, weight, bias)
@@ -254,7 +254,7 @@ def probe_gemm(model: nn.Module, dtype: torch.dtype) -> None:
         return
     x = torch.randn(5, weight.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
         weight.weight.device, dtype)
-    fused_or_torch("fp8_gemm", lambda fn: fn(x, weight), lambda: fp8_linear_torch(x, weight))
+    probe_op("fp8_gemm", lambda fn: fn(x, weight), lambda: fp8_linear_torch(x, weight), dtype)
 
 
 def quantize_activations(

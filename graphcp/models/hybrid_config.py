@@ -14,6 +14,18 @@ HYBRID_ARCHITECTURES = {"Qwen3NextForCausalLM": "hybrid", "Qwen3_5ForCausalLM": 
 HYBRID_MODEL_TYPES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                       "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 LINEAR, FULL = "linear_attention", "full_attention"
+KIND = {LINEAR: "gated_deltanet", FULL: "gqa"}    # layer type -> layer kind (attention/kinds.py)
+# transformers' class defaults for the fields graphcp reads with another fallback.
+_SHAPES = dict(max_position_embeddings=32768, head_dim=256, num_key_value_heads=2,
+               linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_num_key_heads=16, linear_num_value_heads=32)
+_EXPERTS = dict(moe_intermediate_size=512, shared_expert_intermediate_size=512)
+HYBRID_DEFAULTS = {
+    "Qwen3NextForCausalLM": dict(_SHAPES, **_EXPERTS, num_experts=512, num_experts_per_tok=10,
+                                 norm_topk_prob=True),
+    "Qwen3_5ForCausalLM": dict(_SHAPES, num_key_value_heads=4),
+    "Qwen3_5MoeForCausalLM": dict(_SHAPES, **_EXPERTS, num_experts=256, num_experts_per_tok=8),
+}
 
 
 @dataclass(frozen=True)
@@ -86,13 +98,30 @@ def _layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
+def hybrid_kinds(cfg: HybridConfig) -> tuple[str, ...]:
+    """Each layer's kind: Gated DeltaNet layers their own, gated full attention the dense ``gqa``
+    kind (its output gate, q/k norms and partial rotary all sit outside the attention call)."""
+    return tuple(KIND[t] for t in cfg.layer_types)
+
+
+def hybrid_rope(raw: dict) -> dict:
+    """The config as the rope reader should see it: the rotary part of a head is what rotates, so
+    ``partial_rotary_factor`` (which sets that part) is not applied a second time."""
+    params = {k: v for k, v in (raw.get("rope_parameters") or {}).items()
+              if k != "partial_rotary_factor"}
+    legacy = {k: v for k, v in (raw.get("rope_scaling") or {}).items()
+              if k != "partial_rotary_factor"}
+    return {**{k: v for k, v in raw.items() if k != "partial_rotary_factor"},
+            "rope_parameters": params or None, "rope_scaling": legacy or None}
+
+
 def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
     """What the hybrid models run with: zigzag CP (the state hand-off cuts each request into 2C
     blocks; interleave would cut every linear-attention sequence token by token), no attention TP
     (DeltaNet heads are not split), no PD transfer (it would have to carry the linear states)."""
-    if args.cp_size > 1 and args.cp_strategy != "zigzag":
-        raise ConfigError(f"--cp-strategy {args.cp_strategy}: hybrid linear-attention models need "
-                          "--cp-strategy zigzag")
+    if args.cp_size > 1 and args.resolved_cp_strategy != "zigzag":
+        raise ConfigError(f"--cp-strategy {args.resolved_cp_strategy}: hybrid linear-attention "
+                          "models need --cp-strategy zigzag")
     if args.attn_tp_size > 1:
         raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention "
                           "TP 1 (--tp equal to --dp x --attn-cp-size)")

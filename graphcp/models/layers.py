@@ -1,14 +1,15 @@
-"""Small layers shared by the llama family: RMSNorm and the rotary embedding (one Triton launch each
-on CUDA once ``probe_layer_kernels`` has checked them at start; the torch forms are HF's)."""
+"""Small layers shared by the model families: RMSNorm and the rotary embedding (one Triton launch each
+on CUDA once their start-up check accepted them, ``kernels/resolve.py``; the torch forms are HF's)."""
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
+from graphcp.kernels.registry import chosen
+from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
 from graphcp.models.config import ModelConfig
-from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.models.rope import rope_tables
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -18,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # noqa: ANN201
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the add fused on CUDA."""
-        fn = checked_kernel("rms_norm") if x.is_cuda else None
+        fn = chosen("rms_norm") if x.is_cuda else None
         if fn is not None and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
                 residual is None or (x.dim() == 2 and residual.stride(-1) == 1 and residual.dtype == x.dtype)):
             return fn(x, self.weight, self.eps, residual)
@@ -31,36 +32,9 @@ class RMSNorm(nn.Module):
         return rms_norm_torch(total, self.weight, self.eps), total
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 statistics, then back to the input dtype before the weight, as the HF reference does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling.get("factor", 1.0))
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths are divided by factor, short ones kept, the band between blended.
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by position: a gather, so positions can live in a static graph buffer."""
+    """cos/sin tables indexed by position (models/rope.py: every rope type HF applies, its attention
+    factor folded in): a gather, so positions can live in a static graph buffer."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -71,11 +45,10 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, device: torch.device) -> None:
         # Built on the CPU after loading (the module itself may be constructed on the meta device).
-        with torch.device("cpu"):
-            pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-            freqs = pos[:, None] * rope_inv_freq(self.config)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        cfg = self.config
+        cos, sin = rope_tables(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim,
+                               cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a forward passes the same positions tensor: gather cos/sin once, reuse it.
@@ -85,34 +58,8 @@ class RotaryEmbedding(nn.Module):
             sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
             cached = self._last = (positions, cos, sin)
         _, cos, sin = cached
-        fn = checked_kernel("rope") if q.is_cuda else None
+        fn = chosen("rope") if q.is_cuda else None
         if fn is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
             return fn(q, cos2, sin2), fn(k, cos2, sin2)
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
-
-
-def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, 1, D]: the HF form, rounding in x's dtype after each op."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def probe_layer_kernels(device: torch.device, dtype: torch.dtype) -> None:
-    """Check each Triton layer op once on small inputs shaped like the model's (strided q/k heads, the
-    residual form of RMSNorm). Runs eagerly at engine start on CUDA."""
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device, dtype)
-
-    x, res, w = rand(7, 96), rand(7, 96), rand(96)
-    fused_or_torch("rms_norm", lambda fn: fn(x, w, 1e-6, res),
-                   lambda: (rms_norm_torch(res + x, w, 1e-6), res + x))
-    qkv, cos, sin = rand(7, 6, 64), rand(7, 64), rand(7, 64)
-    q = qkv[:, :4]                                  # a strided view, as the fused qkv output gives
-    fused_or_torch("rope", lambda fn: fn(q, cos, sin), lambda: rope_torch(q, cos[:, None], sin[:, None]))

@@ -1,4 +1,4 @@
-"""Load an HF checkpoint (config.json + safetensors, sharded or not) or a GGUF file into a CausalLM.
+"""Load an HF checkpoint (config.json + safetensors, sharded or not) or a GGUF file into its family's model.
 Never unpickles.
 
 The whole checkpoint is validated (names, shapes) against the full model first; then each rank reads only
@@ -15,12 +15,11 @@ from safetensors import safe_open
 from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
-from graphcp.models.deepseek_v32 import DSACausalLM
+from graphcp.models.decoder import DecoderLM
+from graphcp.models.families import model_class
 from graphcp.models.gguf import GGUFTensors, is_gguf
-from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
 from graphcp.models.parallel import TPInfo
-from graphcp.models.qwen3_next import HybridCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -47,17 +46,16 @@ def _weight_files(model_path: str) -> dict[str, str]:
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
                layers: range | None = None, ffn_tp: TPInfo | None = None, ep: EPInfo | None = None,
-               keep_fp8: bool | None = None) -> CausalLM:
+               keep_fp8: bool | None = None) -> DecoderLM:
     """``ep``: this rank's experts (MoE). ``keep_fp8`` (FP8 checkpoints): hold FP8 weights for the
     block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
     cfg = read_model_config(model_path)
     reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
     names = set(reader.shapes)
-    model_class = (DSACausalLM if cfg.dsa is not None else HybridCausalLM if cfg.hybrid is not None
-                   else CausalLM)
+    family = model_class(cfg)
     with torch.device("meta"):
-        full = model_class(cfg)
-        model = model_class(cfg, tp, layers, ffn_tp, ep)
+        full = family(cfg)
+        model = family(cfg, tp, layers, ffn_tp, ep)
     quantized = set(fp8.quantized_names(full, cfg))
     expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
     for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
@@ -110,7 +108,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     return model
 
 
-def _experts(model: CausalLM) -> list[tuple[str, Experts]]:
+def _experts(model: DecoderLM) -> list[tuple[str, Experts]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
 
 

@@ -89,8 +89,9 @@ class MLAttention(nn.Module):
     def fuse(self) -> None:
         """Nothing to fuse: the absorbed W_UK / W_UV are views of ``kv_b_proj`` taken per call."""
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        d, t, heads = self.d, x.shape[0], self.num_heads
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``rope``: the (cos, sin) tables at this rank's positions."""
+        (cos, sin), d, t, heads = rope, self.d, x.shape[0], self.num_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, heads, d.qk_head_dim)
         q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
@@ -104,6 +105,6 @@ class MLAttention(nn.Module):
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)          # [T, H, C]
         index = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else None
         query = torch.cat([q_latent, q_rope], dim=-1)
-        out = current_attention()(self.layer_id, query, latent, k_rope, index)
+        out = current_attention()(self.layer_id, query, torch.cat([latent, k_rope], dim=-1), index)
         out = torch.matmul(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, V]
         return self.o_proj(out.reshape(t, heads * d.v_head_dim))

@@ -15,7 +15,7 @@ from torch import nn
 
 from graphcp.forward_context import current_moe_communicator
 from graphcp.models.config import ModelConfig
-from graphcp.kernels.layer_kernels import checked_kernel, fused_or_torch
+from graphcp.kernels.registry import chosen, probe_op
 from graphcp.models.parallel import shard_range
 
 
@@ -101,7 +101,7 @@ class Experts(nn.Module):
         """Sum over this rank's experts of weight x expert(x) for each (row, expert) pair of
         ``ids``; pairs routed to other ranks' experts add nothing. x [N, H], ids/weights [N, k]."""
         args = (x, ids, weights, self.gate_up_proj, self.down_proj, self.first)
-        fn = checked_kernel("moe_experts") if x.is_cuda else None
+        fn = chosen("moe_experts") if x.is_cuda else None
         if fn is not None:      # one grouped-GEMM launch per projection (accepted at engine start)
             return fn(*args)
         return _experts_torch(*args)
@@ -117,7 +117,7 @@ class Experts(nn.Module):
         ids = torch.randint(0, self.num_experts, (n, k), generator=gen).to(x.device)
         weights = torch.rand(n, k, generator=gen).to(x)
         args = (x, ids, weights, self.gate_up_proj, self.down_proj, self.first)
-        fused_or_torch("moe_experts", lambda fn: fn(*args), lambda: _experts_torch(*args))
+        probe_op("moe_experts", lambda fn: fn(*args), lambda: _experts_torch(*args), x.dtype)
 
     # -- loading ------------------------------------------------------------------------------
     def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple]:

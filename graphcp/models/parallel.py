@@ -30,6 +30,26 @@ def shard_range(total: int, size: int, rank: int, unit: int = 1) -> tuple[int, i
     return start * unit, min(units, start + per) * unit
 
 
+def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index``'s [start, end) of ``total`` items in ``parts`` contiguous parts as even as
+    possible, the first ``total % parts`` one longer (10 over 4: 3, 3, 2, 2; 6 over 4: 2, 2, 1,
+    1)."""
+    per, longer = divmod(total, parts)
+    start = index * per + min(index, longer)
+    return start, start + per + (index < longer)
+
+
+def pipeline_stage(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """Stage ``pp_rank``'s [start, end) of the layers, as SGLang (and vLLM) place them: even, the
+    remainder one layer each on the stages before the last, counted back from the second-to-last
+    (the last stage also runs the final norm and the LM head). 10 over 4: 2, 3, 3, 2."""
+    sizes = [num_layers // pp_size] * pp_size
+    for stage in range(num_layers % pp_size):
+        sizes[-2 - stage] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
 class ColumnLinear(nn.Linear):
     """Output features split across the group; no communication."""
 

@@ -5,27 +5,25 @@ attention (``self_attn``: q_proj doubled into per-head query and output gate, ze
 norms, rotary on the first ``rotary_dim`` of each head), as ``layer_types`` says. FFNs are dense or
 MoE with a shared expert behind a sigmoid gate. Norms are zero-centred: x_norm * (1 + weight).
 
-The interface is ``CausalLM``'s (forward, compute_logits, fuse_projections, source_name, rotary), so
-the loader and the runner treat both alike. A pipeline stage builds only its layers; attention TP is
-refused.
+The decoder loop, the LM head and pipeline stages are the shared decoder's
+(``models/decoder.py``); attention TP is refused.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
-
 import torch
 from torch import nn
 
 from graphcp.errors import ConfigError
 from graphcp.forward_context import current_attention, current_moe_communicator
 from graphcp.models.config import ModelConfig
+from graphcp.models.decoder import DecoderLM
 from graphcp.models.gated_deltanet import GatedDeltaNet, project
 from graphcp.models.hybrid_config import LINEAR
 from graphcp.models.layers import RotaryEmbedding
 from graphcp.models.llama import GatedMLP
 from graphcp.models.moe import EPInfo, Experts, SoftmaxTopKRouter
-from graphcp.models.parallel import ColumnLinear, TPInfo, VocabEmbedding, vocab_logits
+from graphcp.models.parallel import TPInfo
 
 
 class OffsetRMSNorm(nn.Module):
@@ -98,6 +96,9 @@ class SharedExpertMoE(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
+    """The shared decoder's layer contract (``forward(positions, delta, residual)``, ``fuse``) with
+    zero-centred norms and the mixer under its HF name: ``linear_attn`` or ``self_attn``."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ffn_tp: TPInfo,
                  ep: EPInfo) -> None:
         super().__init__()
@@ -112,8 +113,6 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, delta: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As llama's DecoderLayer: the hidden state is ``residual + delta``; returns
-        (mlp output, residual)."""
         if residual is None:
             residual, x = delta, self.input_layernorm(delta)
         else:
@@ -122,61 +121,26 @@ class HybridDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(mixer(positions, x), residual)
         return self.mlp(x), residual
 
-
-class HybridBackbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPInfo, layers: range,
-                 ffn_tp: TPInfo, ep: EPInfo) -> None:
-        super().__init__()
-        if layers.start == 0:
-            self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleDict({str(i): HybridDecoderLayer(cfg, i, rotary, ffn_tp, ep)
-                                     for i in layers})
-        if layers.stop == cfg.num_hidden_layers:
-            self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    def fuse(self) -> None:
+        """The FFN's gate/up become one GEMM; the mixers' projections stay apart."""
+        self.mlp.fuse()
 
 
-class HybridCausalLM(nn.Module):
+class HybridCausalLM(DecoderLM):
+    """The hybrid family on the shared decoder (``models/decoder.py``), its final norm zero-centred."""
+
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
                  ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
-        super().__init__()
-        tp = tp or TPInfo()
-        if tp.size > 1:
+        if tp is not None and tp.size > 1:
             raise ConfigError(f"--tp {tp.size}: {cfg.architecture} splits no attention heads over "
                               "TP yet (use --tp 1; CP and EP split the work)")
-        self.config, self.tp = cfg, tp
-        self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
-        self.is_first = self.layer_range.start == 0
-        self.is_last = self.layer_range.stop == cfg.num_hidden_layers
-        self.rotary = RotaryEmbedding(replace(cfg, head_dim=cfg.hybrid.rotary_dim))
-        self.model = HybridBackbone(cfg, self.rotary, tp, self.layer_range, ffn_tp or tp,
-                                    ep or EPInfo())
-        if self.is_last and not (cfg.tie_word_embeddings and self.is_first):
-            self.lm_head = ColumnLinear(cfg.hidden_size, cfg.vocab_size, False, tp)
+        super().__init__(cfg, tp, layers, ffn_tp, ep)
+        if self.is_last:
+            self.model.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                hidden: torch.Tensor | None = None, capture_layers: Sequence[int] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, list]:
-        """As ``CausalLM.forward``: this stage's residual stream before the final norm."""
-        delta, residual = self.model.embed_tokens(input_ids) if self.is_first else hidden, None
-        captured = {}
-        for i, layer in self.model.layers.items():
-            if capture_layers is not None and int(i) in capture_layers:
-                captured[int(i)] = delta if residual is None else residual + delta
-            delta, residual = layer(positions, delta, residual)
-        out = delta if residual is None else residual + delta
-        return out if capture_layers is None else (out, [captured[i] for i in capture_layers])
+    def make_rotary(self, cfg: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(replace(cfg, head_dim=cfg.hybrid.rotary_dim))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
-        return vocab_logits(self.model.norm(hidden), head.weight, self.tp,
-                            self.config.vocab_size).float()
-
-    def fuse_projections(self) -> None:
-        """The FFNs' gate/up become one GEMM; the mixers' projections stay apart."""
-        for layer in self.model.layers.values():
-            layer.mlp.fuse()
-
-    def source_name(self, name: str) -> str:
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return "model.embed_tokens.weight"
-        return name
+    def make_layer(self, cfg: ModelConfig, layer: int, tp: TPInfo, ffn_tp: TPInfo,
+                   ep: EPInfo) -> HybridDecoderLayer:
+        return HybridDecoderLayer(cfg, layer, self.rotary, ffn_tp, ep)

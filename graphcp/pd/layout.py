@@ -15,11 +15,13 @@ from functools import cached_property
 
 import torch
 
+from graphcp.attention.kinds import KINDS as LAYER_KINDS
+from graphcp.attention.kinds import cache_parts, layer_kinds
+from graphcp.config import TORCH_DTYPES as DTYPES
 from graphcp.errors import RequestError
 from graphcp.models.config import ModelConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KINDS = ("mha", "dsa")
+KINDS = tuple(sorted({kind.pd_kind for kind in LAYER_KINDS.values()}))
 
 
 @dataclass(frozen=True)
@@ -72,16 +74,17 @@ class SlotLayout:
 
 
 def layout_for(cfg: ModelConfig, max_tokens: int, dtype: str) -> SlotLayout:
-    """The layout of a model (``graphcp.models.read_model_config``): dense K/V, or DSA's MLA rows and
-    indexer keys (none on a "shared" layer)."""
-    d = cfg.dsa
-    if d is None:
-        width = cfg.num_key_value_heads * cfg.head_dim
-        return SlotLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_tokens, dtype, "mha",
-                          0, ((width, width),) * cfg.num_hidden_layers)
-    width = d.kv_lora_rank + d.qk_rope_head_dim
-    parts = tuple((width,) if shared else (width, d.index_head_dim) for shared in d.shared_indexer)
-    return SlotLayout(cfg.num_hidden_layers, 1, width, max_tokens, dtype, "dsa", d.kv_lora_rank, parts)
+    """The layout of a model (``graphcp.models.read_model_config``): each layer's cache parts as its kind
+    names them (``attention/kinds.py``), whole (attention TP 1). The header has a column per KV head of a
+    dense model (attention-TP ranks mark their heads), one for a layer kind without heads."""
+    layers = range(cfg.num_hidden_layers)
+    parts = cache_parts(cfg, layers, 1)
+    kind = layer_kinds(cfg, layers)[0].pd_kind
+    first = parts[0][0]
+    heads, column = (first.shape[0], first.shape[1]) if len(first.shape) == 2 else (1, first.width)
+    latent = cfg.dsa.kv_lora_rank if cfg.dsa is not None else 0
+    return SlotLayout(cfg.num_hidden_layers, heads, column, max_tokens, dtype, kind, latent,
+                      tuple(tuple(p.width for p in parts[i]) for i in layers))
 
 
 def destination_dict(rid: str, session: str, protocol: str, layout: SlotLayout, slot_addr: int) -> dict:

@@ -12,17 +12,22 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from graphcp.config import TORCH_DTYPES, EngineArgs
 from graphcp.errors import ConfigError, RequestError, TransferError
-from graphcp.kv.cache import KVPool
-from graphcp.kv.dsa_cache import DSAPool
+from graphcp.kv.cache import PagedPool
+from graphcp.kv.layer_split import layer_ranges
 from graphcp.kv.pages import RequestKV
 from graphcp.models.config import ModelConfig
-from graphcp.models.parallel import shard_range
-from graphcp.pd.layout import DTYPES, SlotLayout, layout_for, parse_destination
+from graphcp.pd.layout import SlotLayout, layout_for, parse_destination
+
+if TYPE_CHECKING:
+    from graphcp.dist.parallel import RankParallel
+    from graphcp.planner import Planner
 from graphcp.pd.mooncake import start_engine
 
 
@@ -30,13 +35,13 @@ class KVSender:
     """``pool`` gives each layer's parts (``transfer_parts``) and the memory to register (``registered``),
     dense or DSA alike; ``model_config`` (``read_model_config``) gives the layout the destination must have."""
 
-    def __init__(self, pool: KVPool | DSAPool, model_config: ModelConfig, stage_layers: range, cp_size: int,
+    def __init__(self, pool: PagedPool, model_config: ModelConfig, stage_layers: range, cp_size: int,
                  cp_rank: int, attn_tp_rank: int, protocol: str, timeout_s: float) -> None:
         self.pool, self.protocol, self.timeout_s = pool, protocol, timeout_s
         registered = [t for t in pool.registered() if t.numel()]       # a DSA model may index no layer
         self.model = layout_for(model_config, 1, _dtype_name(registered[0].dtype))
-        start, end = shard_range(len(stage_layers), cp_size, cp_rank)
-        self.layers = range(stage_layers.start + start, stage_layers.start + end)
+        mine = layer_ranges(len(stage_layers), cp_size)[cp_rank]      # the LayerSplit ranges, split or not
+        self.layers = range(stage_layers.start + mine.start, stage_layers.start + mine.stop)
         # Header columns this rank marks: the KV heads of its attention-TP rank (dense), the one MLA row (DSA).
         first = pool.transfer_parts(stage_layers.start)[0]
         columns = _row_bytes(first) * self.model.num_kv_heads // self.model.row_bytes(stage_layers.start, 0)
@@ -134,27 +139,30 @@ def _row_bytes(rows: torch.Tensor) -> int:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype)
+    return next(name for name, d in TORCH_DTYPES.items() if d == dtype)
 
 
-def start_sender(runner) -> KVSender | None:  # noqa: ANN001
-    """The rank's sender in prefill mode (None otherwise); started once, after the KV pool exists."""
-    args = runner.args
+def start_sender(args: EngineArgs, model_config: ModelConfig, pool: PagedPool,
+                 par: "RankParallel") -> KVSender | None:
+    """The rank's sender in prefill mode (None otherwise); started once, after the KV pool exists. ``par``
+    is the rank's ``RankParallel`` (its stage's layers, its CP and attention-TP ranks)."""
     if args.disaggregation_mode != "prefill":
         return None
-    return KVSender(runner.pool, runner.model_config, runner.layers, args.cp_size, runner.me.cp_rank,
-                    runner.me.attn_tp_rank, args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s)
+    return KVSender(pool, model_config, par.layers, args.cp_size, par.me.cp_rank, par.me.attn_tp_rank,
+                    args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s)
 
 
-def transfer_kv(runner, rid: str, destination: dict) -> dict | None:  # noqa: ANN001
-    """The ``transfer_kv`` command on one rank: None on ranks whose DP group does not hold ``rid``."""
-    planner = runner.planner
+def transfer_kv(planner: "Planner", sender: KVSender | None, rid: str, destination: dict) -> dict | None:
+    """The ``transfer_kv`` command on one rank (``planner`` knows the request's pages): None on ranks
+    whose DP group does not hold ``rid``."""
+    if sender is None:
+        raise ConfigError("transfer_kv needs --disaggregation-mode prefill")
     if planner.owner(rid) is None:
         raise RequestError(f"request {rid!r} is unknown: it holds no cached KV")
     state = planner.pages.requests.get(rid)
     if state is None:
         return None
-    return runner.kv_sender.send(rid, state, destination)
+    return sender.send(rid, state, destination)
 
 
 def merge_reports(replies: list) -> dict:

@@ -25,11 +25,11 @@ CASES = {"all_short": [40, 3, 24, 2, 33, 17, 3, 10], "mixed": [384, 3, 48, 20, 2
 
 def rank_work(strategy, extend_lens: list[int], cost) -> list[float]:  # noqa: ANN001
     """Modelled seconds of each CP rank's rows for a fresh batch (no cached prefix)."""
-    placed = strategy.for_batch(extend_lens, [0] * len(extend_lens))
-    if not strategy.applies(extend_lens):     # static zigzag on short requests: every rank runs all of it
+    layout = strategy.plan(extend_lens, [0] * len(extend_lens), 0)
+    if not layout.cp_applied:     # static zigzag on short requests: every rank runs all of it
         total = sum(cost.work(n, 0) for n in extend_lens)
         return [total] * strategy.cp_size
-    lens, cap = torch.tensor(extend_lens), placed.local_capacity(extend_lens)
+    placed, lens, cap = layout.strategy, torch.tensor(extend_lens), layout.local_cap
     pages = torch.zeros(len(extend_lens), max(extend_lens), dtype=torch.long)
     whole_on = torch.tensor(placed.whole_on) if placed.whole_on is not None else None
     work = []

@@ -10,7 +10,7 @@ import torch
 
 from graphcp.batch import Request
 from graphcp.cp.strategy import make_strategy
-from graphcp.graph.buffers import Descriptors
+from graphcp.forward_batch import Descriptors
 from graphcp.planner import Planner
 
 
@@ -34,7 +34,7 @@ def measure_host_prep(requests: int = 32, length: int = 1024, cp: int = 8, reps:
             t1 = time.perf_counter()
             txn = planner.allocate(plan)
             t2 = time.perf_counter()
-            host = plan.strategy.host_maxima(plan.extend_lens, plan.prefix_lens, 0)
+            host = plan.layout.host
             staging.fill(plan.extend_lens, plan.prefix_lens, planner.pages.rows(plan.rids), plan.ids)
             t3 = time.perf_counter()
             planner.rollback(txn)

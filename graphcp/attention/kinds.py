@@ -1,0 +1,76 @@
+"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token, and
+how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
+(``ModelConfig.attention_kinds``); this table is the one place a name becomes an op and a cache layout.
+A new family adds its kind here, its op beside ``op.py`` and ``dsa.py``, and its model file."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from graphcp.attention.dsa import DSAAttention
+from graphcp.attention.op import PagedAttention
+from graphcp.errors import ConfigError
+from graphcp.kv.cache import CachePart, LayerParts
+from graphcp.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    name: str
+    op: type                                                       # built once per forward: op(ops)
+    parts: Callable[[ModelConfig, int, int], tuple[CachePart, ...]]  # (config, layer, attention TP)
+    export: Callable[[ModelConfig, tuple[torch.Tensor, ...]], tuple]  # rows per part -> kv_cache entry
+    pd_kind: str                                                   # the name PD destinations carry
+    kernels: tuple[str, ...]                                       # the kernel ops its op runs
+    graph_reason: str | None = None                                # why its layers run eagerly
+
+
+def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
+    row = (cfg.num_key_value_heads // attn_tp, cfg.head_dim)
+    return CachePart("k", row), CachePart("v", row)
+
+
+def _gqa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
+    """(k, v) [kv_heads, n, head_dim], keys after RoPE: HF's past_key_values."""
+    k, v = rows
+    return k.transpose(0, 1).float().cpu(), v.transpose(0, 1).float().cpu()
+
+
+def _dsa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
+    d = cfg.dsa
+    mla = CachePart("mla", (d.kv_lora_rank + d.qk_rope_head_dim,))
+    if d.shared_indexer[layer]:        # GLM-5 "shared": reuses the previous layer's top-k, no indexer keys
+        return (mla,)
+    return mla, CachePart("index_k", (d.index_head_dim,))
+
+
+def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
+    """(kv_latent [n, kv_lora_rank], k_rope [n, rope_dim], index_k [n, index_dim] or None)."""
+    mla = rows[0].float().cpu()
+    index = rows[1].float().cpu() if len(rows) > 1 else None
+    return mla[:, :cfg.dsa.kv_lora_rank], mla[:, cfg.dsa.kv_lora_rank:], index
+
+
+KINDS = {
+    "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
+    "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
+                     "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"),
+}
+
+
+def layer_kinds(cfg: ModelConfig, layers: range) -> dict[int, LayerKind]:
+    kinds = {}
+    for layer in layers:
+        name = cfg.attention_kinds[layer]
+        if name not in KINDS:
+            raise ConfigError(f"--model-path: layer {layer} has attention kind {name!r}, which graphcp does "
+                              f"not implement ({', '.join(KINDS)})")
+        kinds[layer] = KINDS[name]
+    return kinds
+
+
+def cache_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
+    """What each of ``layers`` caches per token on a rank of attention-TP size ``attn_tp``."""
+    return {layer: kind.parts(cfg, layer, attn_tp) for layer, kind in layer_kinds(cfg, layers).items()}

@@ -1,0 +1,31 @@
+"""The parts of ``profiles/gpu_check.py``, one module each, in the order they run: most informative
+first.
+
+f shows whether graph breaks read stale inputs from a dirty pool, a and c whether the kernels and
+the graphs are right at all, d whether CP is; g and e check the DSA, MoE and FP8 kernels; b only
+measures. Each part runs in its own process under its own time budget (seconds on the GPU, and on a
+dry run).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str
+    module: str            # gpu_parts.<module> holds TITLE and run(report, workdir) -> note
+    budget_s: float        # the part is killed a few seconds past this (its checks stop before)
+    dry_budget_s: float
+    needs_cuda: bool = False   # nothing to run on a dry run
+
+    def budget(self, dry_run: bool) -> float:
+        return self.dry_budget_s if dry_run else self.budget_s
+
+
+# GPU budgets sum to 440 s of the run's 455 (the pre-flight takes the rest). Dry-run budgets are
+# wide (about 40 s in all on an idle 2-core machine, 4 minutes on a crowded one): a CI run is not cut.
+PARTS = (Part("f", "dirty_pool", 50, 90), Part("a", "kernels", 70, 60),
+         Part("c", "model", 130, 180), Part("d", "cp", 75, 180), Part("g", "dsa_moe", 35, 45),
+         Part("e", "fp8", 35, 45), Part("b", "attention_perf", 45, 5, needs_cuda=True))
+PART_KEYS = "".join(p.key for p in PARTS)

@@ -1,0 +1,59 @@
+"""Part f: capture on a dirty pool. A large block is filled with a non-zero pattern and freed (CUDA
+does not zero reused memory), then an engine with the torch attention kernel, whose graph break
+reads lengths on the host that the captured segment computed, captures its buckets; every batch must
+replay as a graph and equal eager. Stale break inputs would show here first, so this part runs
+first, in a fresh process."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .common import prefill, rel_err, require_graph
+
+if TYPE_CHECKING:
+    from .report import Report
+
+TITLE = "capture on a dirty pool (torch kernel: host-reading breaks)"
+
+
+def _dirty_device_memory() -> int:
+    import torch
+    free = torch.cuda.mem_get_info()[0]
+    block = torch.empty(min(free // 4, 16 << 30), dtype=torch.uint8, device="cuda").fill_(0x7F)
+    size = block.numel()
+    del block
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return size
+
+
+def run(rep: Report, workdir: str) -> str:
+    from graphcp import Engine, EngineArgs
+    from graphcp.models import read_model_config
+    from graphcp.models.random_checkpoint import DEMO_QWEN3, make_random_checkpoint
+    path = make_random_checkpoint(os.path.join(workdir, "demo-qwen3"), DEMO_QWEN3, seed=0)
+    dirty = 0 if rep.dry_run else _dirty_device_memory()
+    if rep.dry_run:
+        kw = dict(device="cpu", max_total_tokens=4096, cuda_graph_buckets=(16, 64))
+        shapes = [(1, 12), (2, 24)]
+    else:
+        kw = dict(device="cuda", max_total_tokens=65536, cuda_graph_buckets=(16, 64, 128))
+        shapes = [(1, 12), (2, 40), (4, 30)]
+    vocab = read_model_config(path).vocab_size
+    tol = 1e-4 if rep.dry_run else 2e-2
+    with Engine(EngineArgs(model_path=path, attention_kernel="torch", **kw)) as engine:
+        stats = engine.stats()
+        failures = stats["capture_failures"]
+        rep.capture += [{"part": "f", **r} for r in stats.get("capture_records", [])]
+        for i, (n, length) in enumerate(shapes):
+            batch = [(f"f{i}-{j}", [(7 * j + 3 * t + i) % vocab for t in range(length)])
+                     for j in range(n)]
+            g = prefill(engine, batch)
+            e = prefill(engine, batch, force_eager=True)
+            shape = f"{n}x{length}"
+            rep.check("f", f"dirty pool, torch kernel: graph vs eager {shape}", "max rel err",
+                      rel_err(g.logits, e.logits), tol, mode=g.mode, bucket=g.graph_bucket)
+            require_graph(rep, "f", shape, g.mode, g.eager_reason)
+    rep.info["dirty_pool"] = {"dirty_bytes": dirty,
+                              "capture_failures": {str(k): v for k, v in failures.items()}}
+    return f"{dirty / 2**30:.1f} GiB dirtied; capture failures: {failures or 'none'}"
