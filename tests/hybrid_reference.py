@@ -163,26 +163,53 @@ class GatheredFullAttention:
         return out
 
 
-def graph_equals_eager(op, mixer, inputs: list[torch.Tensor], pool,  # noqa: ANN001
+class StateSlots:
+    """Per-request state for tests that drive the linear ops directly: a StatePool over ``layers``
+    and one slot per request, read once the request has run and written in place."""
+
+    def __init__(self, cfg, layers, requests: int = 4) -> None:  # noqa: ANN001 - a ModelConfig
+        from graphcp.attention.kinds import state_parts
+        from graphcp.kv.states import StatePool
+        parts = state_parts(cfg, range(cfg.num_hidden_layers), 1)
+        self.pool = StatePool({i: parts[i] for i in layers}, requests, torch.float32,
+                              torch.device("cpu"))
+        self.slot: dict[str, int] = {}
+        self.ran: set[str] = set()
+
+    def states(self, rids: list[str]):  # noqa: ANN201 - RequestStates
+        """This batch's states; every request counts as run after it."""
+        from graphcp.attention.linear_op import RequestStates
+        state_in = torch.tensor([self.slot[r] if r in self.ran else 0 for r in rids])
+        out = torch.tensor([self.slot.setdefault(r, len(self.slot) + 1) for r in rids])
+        self.ran.update(rids)
+        return RequestStates(self.pool, state_in, out)
+
+    def request_state(self, rid: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: (conv window [K-1, conv_dim], delta state [Hv, dk, dv])."""
+        return {layer: self.pool.read(layer, self.slot[rid]) for layer in self.pool.layer_parts}
+
+
+def graph_equals_eager(make_op, mixer, inputs: list[torch.Tensor], tensors: list[torch.Tensor],  # noqa: ANN001
                        next_batch) -> float:  # noqa: ANN001
-    """Capture the linear-attention ``op`` under graphcp's CPU capture emulation (its rules: no host
-    sync, no data-dependent shape, collectives as breaks), let ``next_batch()`` write another batch
-    into the same buffers (inputs and batch tensors), replay, and return the worst relative error of
-    the replay's outputs and pool states against an eager call on that batch."""
+    """Capture the linear-attention op ``make_op()`` builds (built inside the segment, as the engine
+    builds it per forward) under graphcp's CPU capture emulation (its rules: no host sync, no
+    data-dependent shape, collectives as breaks), let ``next_batch()`` write another batch into the
+    same buffers (inputs and batch tensors), replay, and return the worst relative error of the
+    replay's outputs and states (``tensors``) against an eager call on that batch."""
     from graphcp.graph.cpu import CpuCapture
     gen = torch.Generator().manual_seed(3)
     layer = mixer.layer_id
-    out = op(layer, *inputs, mixer=mixer).clone()    # eager warmup: the output buffer's shape
+    out = make_op()(layer, *inputs, mixer=mixer).clone()    # eager warmup: the output's shape
     with CpuCapture() as capture:
-        out.copy_(op(layer, *inputs, mixer=mixer))
-    graph = capture.finish([out, *inputs, pool.conv, pool.recurrent])
+        out.copy_(make_op()(layer, *inputs, mixer=mixer))
+    graph = capture.finish([out, *inputs, *tensors])
     next_batch()
-    for t in (pool.conv, pool.recurrent):
+    for t in tensors:
         t.copy_(torch.randn(t.shape, generator=gen))
-    before = pool.conv.clone(), pool.recurrent.clone()
+    before = [t.clone() for t in tensors]
     graph.replay()
-    replayed = out.clone(), pool.conv.clone(), pool.recurrent.clone()
-    pool.conv.copy_(before[0])
-    pool.recurrent.copy_(before[1])
-    eager = op(layer, *inputs, mixer=mixer), pool.conv, pool.recurrent
+    replayed = [out.clone()] + [t.clone() for t in tensors]
+    for t, b in zip(tensors, before):
+        t.copy_(b)
+    eager = [make_op()(layer, *inputs, mixer=mixer)] + tensors
     return max(rel_err(a, b) for a, b in zip(replayed, eager))

@@ -21,15 +21,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hybrid_reference import (ByKind, GatheredFullAttention, HybridHF, graph_equals_eager,
-                              make_hybrid_checkpoint, rel_err)
+from hybrid_reference import (ByKind, GatheredFullAttention, HybridHF, StateSlots,
+                              graph_equals_eager, make_hybrid_checkpoint, rel_err)
 
-from graphcp.attention.linear_cp import ZigzagLinearAttention, ZigzagLinearBatch, exchange_bytes
-from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
+from graphcp.attention.linear_cp import ZigzagLinearAttention, exchange_bytes
+from graphcp.attention.linear_op import LocalLinearAttention, RequestStates
 from graphcp.cp import build_layout
 from graphcp.dist.comm import CPComm
 from graphcp.forward_context import forward_context
-from graphcp.kv.linear_state import LinearStatePool
 from graphcp.models import load_model
 
 TOL = 1e-4
@@ -64,23 +63,23 @@ def _rows(full: torch.Tensor, index: list[int], cap: int, fill: torch.Tensor) ->
 def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
     mixer = model.model.layers["0"].linear_attn
     h = model.config.hybrid
-    pools = [LinearStatePool(h, [0], 4, torch.float32, torch.device("cpu")) for _ in range(2)]
+    pools = [StateSlots(model.config, [0]) for _ in range(2)]
     gen, cached, worst = torch.Generator().manual_seed(7), {}, {"rows": 0.0, "states": 0.0}
     for batch in OP_BATCHES:
         rids, lens = [r for r, _ in batch], [n for _, n in batch]
         prefix = [cached.get(r, 0) for r in rids]
-        fresh = torch.tensor([p == 0 for p in prefix])
         inputs = [torch.randn(sum(lens), h.conv_dim, generator=gen),
                   -0.3 * torch.rand(sum(lens), h.num_v_heads, generator=gen),
                   torch.rand(sum(lens), h.num_v_heads, generator=gen)]
-        slots = [torch.tensor([p.allocate(r) for r in rids]) for p in pools]
-        linear = LinearBatch(torch.tensor(lens), slots[0], fresh, max(lens))
-        ref = LocalLinearAttention(pools[0], linear)(0, *inputs, mixer=mixer)
+        rows = torch.arange(sum(lens))
+        ref = LocalLinearAttention(pools[0].states(rids), torch.tensor(lens)[:, None], rows,
+                                   torch.ones_like(rows), sum(lens))(0, *inputs, mixer=mixer)
         index, blocks, cap = _zigzag(comm.size, comm.rank, lens, prefix)
         garbage = [torch.randn((cap,) + x.shape[1:], generator=gen) for x in inputs]
         local = [_rows(x, index, cap, fill) for x, fill in zip(inputs, garbage)]
-        zigzag = ZigzagLinearBatch(blocks, slots[1], fresh, int(blocks.max()))  # the longest block
-        op = ZigzagLinearAttention(pools[1], zigzag, comm)
+        op = ZigzagLinearAttention(pools[1].states(rids), blocks, comm, cap)
+        mine = blocks[:, [comm.rank, 2 * comm.size - 1 - comm.rank]]
+        assert op.max_len == max(int(mine.max()), 1)     # eagerly: this rank's longest block
         out = op(0, *local, mixer=mixer)
         assert op.num_exchanges == 2 and not out[len(index):].any()
         dims = (h.conv_kernel, h.conv_dim, h.num_v_heads, h.head_k_dim, h.head_v_dim)
@@ -96,14 +95,15 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
 
 def _graph_check(model, comm: CPComm) -> dict:  # noqa: ANN001
     mixer, h = model.model.layers["2"].linear_attn, model.config.hybrid
-    pool = LinearStatePool(h, [2], 4, torch.float32, torch.device("cpu"))
+    pool = StateSlots(model.config, [2]).pool
     gen, batches = torch.Generator().manual_seed(11), ([37, 5, 64], [50, 20, 9])
     layouts = [_zigzag(comm.size, comm.rank, lens, [0] * 3) for lens in batches]
     cap = max(c for _, _, c in layouts)
     inputs = [torch.empty(cap, h.conv_dim), torch.empty(cap, h.num_v_heads),
               torch.empty(cap, h.num_v_heads)]
-    zigzag = ZigzagLinearBatch(layouts[0][1].clone(), torch.tensor([1, 2, 3]),
-                               torch.tensor([True, False, True]), cap)
+    block_lens, state_in, state_out = (layouts[0][1].clone(), torch.tensor([0, 2, 0]),
+                                       torch.tensor([1, 2, 3]))
+    ops = []
 
     def fill() -> None:
         for t in inputs:
@@ -112,20 +112,26 @@ def _graph_check(model, comm: CPComm) -> dict:  # noqa: ANN001
 
     def next_batch() -> None:
         fill()
-        zigzag.block_lens.copy_(layouts[1][1])
-        zigzag.slots.copy_(torch.tensor([3, 1, 2]))
-        zigzag.fresh.copy_(torch.tensor([False, True, False]))
+        block_lens.copy_(layouts[1][1])
+        state_in.copy_(torch.tensor([3, 0, 2]))
+        state_out.copy_(torch.tensor([3, 1, 2]))
+
+    def make_op() -> ZigzagLinearAttention:
+        ops.append(ZigzagLinearAttention(RequestStates(pool, state_in, state_out), block_lens, comm,
+                                         cap))
+        return ops[-1]
 
     fill()
-    op = ZigzagLinearAttention(pool, zigzag, comm)
-    err = graph_equals_eager(op, mixer, inputs, pool, next_batch)
-    assert op.num_exchanges == 8       # warmup, capture, replay, eager: two exchanges each
+    tensors = [pool.part(2, "conv"), pool.part(2, "recurrent")]
+    err = graph_equals_eager(make_op, mixer, inputs, tensors, next_batch)
+    # warmup, eager: two exchanges each; the captured op's two also run again at the replay
+    assert [op.num_exchanges for op in ops] == [2, 4, 2]
     return {"replay": err}
 
 
 def _model_check(model, comm: CPComm, reference: dict) -> dict:  # noqa: ANN001
     h = model.config.hybrid
-    pool = LinearStatePool(h, h.linear_layers, 4, torch.float32, torch.device("cpu"))
+    pool = StateSlots(model.config, h.linear_layers)
     kv, tokens, worst = {}, _tokens(), {"logits": 0.0, "states": 0.0}
     for batch in MODEL_BATCHES:
         rids = [r for r, _, _ in batch]
@@ -136,10 +142,7 @@ def _model_check(model, comm: CPComm, reference: dict) -> dict:  # noqa: ANN001
         index, blocks, cap = _zigzag(comm.size, comm.rank, lens, prefix)
         pad = torch.full((cap,), -1)
         row_req, row_pos = _rows(requests, index, cap, pad), _rows(positions, index, cap, pad)
-        slots = torch.tensor([pool.allocate(r) for r in rids])
-        # The local capacity bounds the blocks, as a graph bucket's would.
-        linear = ZigzagLinearBatch(blocks, slots, torch.tensor([p == 0 for p in prefix]), cap)
-        ops = ByKind(h.linear_layers, ZigzagLinearAttention(pool, linear, comm),
+        ops = ByKind(h.linear_layers, ZigzagLinearAttention(pool.states(rids), blocks, comm, cap),
                      GatheredFullAttention(kv, comm.group, rids, row_req, row_pos))
         with forward_context(ops):
             hidden = model(_rows(ids, index, cap, pad.clamp(min=0)), row_pos.clamp(min=0))

@@ -14,14 +14,14 @@ import os
 import pytest
 import torch
 from fp8_checkpoint import make_fp8_checkpoint
-from hybrid_reference import (ByKind, HybridHF, LocalFullAttention, graph_equals_eager,
+from hybrid_reference import (ByKind, HybridHF, LocalFullAttention, StateSlots, graph_equals_eager,
                               make_hybrid_checkpoint, rel_err)
 
-from graphcp.attention.linear_op import LinearBatch, LocalLinearAttention
+from graphcp.attention.linear_op import LocalLinearAttention, RequestStates
 from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError
 from graphcp.forward_context import forward_context
-from graphcp.kv.linear_state import LinearStatePool
+from graphcp.kv.states import StatePool
 from graphcp.models import load_model, read_model_config
 from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
 from graphcp.models.hybrid_config import check_hybrid_flags
@@ -41,8 +41,7 @@ class Driver:
     def __init__(self, path: str) -> None:
         self.model = load_model(path, torch.float32, torch.device("cpu"))
         cfg = self.model.config
-        self.pool = LinearStatePool(cfg.hybrid, cfg.hybrid.linear_layers, 4, torch.float32,
-                                    torch.device("cpu"))
+        self.states = StateSlots(cfg, cfg.hybrid.linear_layers)
         self.kv: dict = {}
         self.cached: dict[str, int] = {}
 
@@ -52,10 +51,9 @@ class Driver:
         prefix = [self.cached.get(r, 0) for r in rids]
         ids = torch.tensor([t for _, toks in batch for t in toks])
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
-        slots = torch.tensor([self.pool.allocate(r) for r in rids])
-        linear = LinearBatch(torch.tensor(lens), slots, torch.tensor([p == 0 for p in prefix]),
-                             max(lens))
-        linear_op = LocalLinearAttention(self.pool, linear)
+        rows = torch.arange(sum(lens))
+        linear_op = LocalLinearAttention(self.states.states(rids), torch.tensor(lens)[:, None],
+                                         rows, torch.ones_like(rows), sum(lens))
         ops = ByKind(self.model.config.hybrid.linear_layers, linear_op,
                      LocalFullAttention(self.kv, rids, lens))
         with forward_context(ops):
@@ -66,7 +64,7 @@ class Driver:
 
     def caches(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, as HybridHF.run reports them."""
-        linear = self.pool.request_state(rid)
+        linear = self.states.request_state(rid)
         return [linear[i] if i in linear else tuple(t.transpose(0, 1) for t in self.kv[(rid, i)])
                 for i in range(self.model.config.num_hidden_layers)]
 
@@ -101,8 +99,6 @@ def test_hybrid_equals_hf_with_chunked_prefill(hybrid_dir, arch):
     _check(second[0], graphcp.caches("a"), ref_a, worst, "a chunked 130 + 60")
     _check(second[1], graphcp.caches("c"), hf.run(c), worst, "c fresh")
     print(f"{arch} worst rel err: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
-    graphcp.pool.release("a")
-    assert graphcp.pool.free_requests == 2 and "a" not in graphcp.pool.slot_of
 
 
 def test_fp8_block_quantized_hybrid_equals_hf(hybrid_dir):
@@ -160,7 +156,7 @@ def test_linear_op_graph_equals_eager(hybrid_dir):
         make_hybrid_checkpoint(path, "qwen3_5", seed=1)
     model = load_model(path, torch.float32, torch.device("cpu"))
     h, mixer = model.config.hybrid, model.model.layers["0"].linear_attn
-    pool = LinearStatePool(h, [0], 4, torch.float32, torch.device("cpu"))
+    pool = StateSlots(model.config, [0]).pool
     gen, rows = torch.Generator().manual_seed(0), 96
 
     def fill(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -171,17 +167,37 @@ def test_linear_op_graph_equals_eager(hybrid_dir):
 
     inputs = fill([torch.empty(rows, h.conv_dim), torch.empty(rows, h.num_v_heads),
                    torch.empty(rows, h.num_v_heads)])
-    batch = LinearBatch(torch.tensor([40, 30, 0]), torch.tensor([1, 2, 0]),
-                        torch.tensor([True, False, True]), rows)
+    # A one-rank zigzag's rows: every request's early half, then every late half (padding last).
+    block_lens, state_in, state_out = (torch.tensor([[20, 20], [15, 15], [0, 0]]),
+                                       torch.tensor([0, 2, 0]), torch.tensor([1, 2, 0]))
+    token_index, valid = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+
+    def layout(halves: list[tuple[int, int]]) -> None:
+        token_index.zero_()
+        valid.zero_()
+        starts, row = [sum(a + b for a, b in halves[:q]) for q in range(len(halves))], 0
+        for half in (0, 1):
+            for (early, late), start in zip(halves, starts):
+                n, first = (early, start) if half == 0 else (late, start + early)
+                token_index[row:row + n] = torch.arange(first, first + n)
+                valid[row:row + n] = 1
+                row += n
 
     def next_batch() -> None:
         fill(inputs)
-        batch.lens.copy_(torch.tensor([50, 20, 10]))
-        batch.slots.copy_(torch.tensor([2, 1, 3]))
-        batch.fresh.copy_(torch.tensor([False, True, False]))
+        block_lens.copy_(torch.tensor([[25, 25], [10, 10], [5, 5]]))
+        layout([(25, 25), (10, 10), (5, 5)])
+        state_in.copy_(torch.tensor([2, 0, 3]))
+        state_out.copy_(torch.tensor([3, 1, 2]))
 
+    def make_op() -> LocalLinearAttention:
+        return LocalLinearAttention(RequestStates(pool, state_in, state_out), block_lens,
+                                    token_index, valid, rows)
+
+    layout([(20, 20), (15, 15), (0, 0)])
+    tensors = [pool.part(0, "conv"), pool.part(0, "recurrent")]
     with torch.no_grad():
-        err = graph_equals_eager(LocalLinearAttention(pool, batch), mixer, inputs, pool, next_batch)
+        err = graph_equals_eager(make_op, mixer, inputs, tensors, next_batch)
     assert err <= TOL, err
 
 

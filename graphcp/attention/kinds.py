@@ -1,5 +1,5 @@
-"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token, and
-how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
+"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token (and
+per request, for a recurrent kind), and how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
 (``ModelConfig.attention_kinds``); this table is the one place a name becomes an op and a cache layout.
 A new family adds its kind here, its op beside ``op.py`` and ``dsa.py``, and its model file."""
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 
 from graphcp.attention.dsa import DSAAttention
+from graphcp.attention.linear_cp import linear_attention
+from graphcp.attention.linear_op import CONV, RECURRENT
 from graphcp.attention.op import PagedAttention
 from graphcp.errors import ConfigError
 from graphcp.kv.cache import CachePart, LayerParts
@@ -19,12 +21,13 @@ from graphcp.models.config import ModelConfig
 @dataclass(frozen=True)
 class LayerKind:
     name: str
-    op: type                                                       # built once per forward: op(ops)
+    op: Callable                                                   # built once per forward: op(ctx)
     parts: Callable[[ModelConfig, int, int], tuple[CachePart, ...]]  # (config, layer, attention TP)
     export: Callable[[ModelConfig, tuple[torch.Tensor, ...]], tuple]  # rows per part -> kv_cache entry
     pd_kind: str                                                   # the name PD destinations carry
     kernels: tuple[str, ...]                                       # the kernel ops its op runs
     graph_reason: str | None = None                                # why its layers run eagerly
+    state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None   # parts per request
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -53,10 +56,26 @@ def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
     return mla[:, :cfg.dsa.kv_lora_rank], mla[:, cfg.dsa.kv_lora_rank:], index
 
 
+def _linear_state(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
+    """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs) and the delta-rule state in fp32."""
+    h = cfg.hybrid
+    return (CachePart(CONV, (h.conv_kernel - 1, h.conv_dim)),
+            CachePart(RECURRENT, (h.num_v_heads, h.head_k_dim, h.head_v_dim), torch.float32))
+
+
+def _linear_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
+    """(conv window [K-1, conv_dim], the last K-1 inputs oldest first; delta-rule state
+    [Hv, dk, dv]). HF's cache keeps the window as [conv_dim, K] with one older input, never read."""
+    window, state = rows
+    return window.float().cpu(), state.float().cpu()
+
+
 KINDS = {
     "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
                      "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"),
+    "gated_deltanet": LayerKind("gated_deltanet", linear_attention, lambda cfg, layer, tp: (),
+                                _linear_export, "gated_deltanet", (), state=_linear_state),
 }
 
 
@@ -74,3 +93,9 @@ def layer_kinds(cfg: ModelConfig, layers: range) -> dict[int, LayerKind]:
 def cache_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
     """What each of ``layers`` caches per token on a rank of attention-TP size ``attn_tp``."""
     return {layer: kind.parts(cfg, layer, attn_tp) for layer, kind in layer_kinds(cfg, layers).items()}
+
+
+def state_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
+    """What each of ``layers`` whose kind keeps per-request state keeps per request."""
+    return {layer: kind.state(cfg, layer, attn_tp) for layer, kind in layer_kinds(cfg, layers).items()
+            if kind.state is not None}

@@ -18,47 +18,31 @@ b3, rank 1 holds b1, b2. After the gather both ranks know (A_b, B_b) for all fou
 rank 0 corrects b3 with S_in(b3), rank 1 corrects b1 and b2 (b0 is exact already). Both store the
 final state A_3 S_in(b3) + B_3. A cached request starts the scan from its stored state instead of 0.
 
-Every rank ends with every request's final states, so the pool (graphcp/kv/linear_state.py) holds
-them replicated and a continued request needs no exchange to start. Each rank's work is its own
+Every rank ends with every request's final states, so the pool (graphcp/kv/states.py) holds them
+replicated and a continued request needs no exchange to start. Each rank's work is its own
 blocks (about 1/C of the tokens) plus a scan of 2C small matrix products per request and head.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from graphcp.attention.linear_op import SequenceMixer, mixer_inputs
+from graphcp.attention.context import AttentionContext
+from graphcp.attention.linear_op import (LocalLinearAttention, RequestStates, SequenceMixer,
+                                         mixer_inputs, static_max)
 from graphcp.dist.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
-from graphcp.kv.linear_state import LinearStatePool
 from graphcp.models.delta_rule import block_transition, causal_conv, unpack
 
 
-@dataclass
-class ZigzagLinearBatch:
-    """What the zigzag op needs of a batch, the same on every rank: each request's 2C block lengths
-    in sequence order (as the CP plan cuts them), its state slot and whether it starts fresh;
-    ``max_len`` bounds the local block lengths (static: the batch's longest eagerly, the bucket's
-    capacity in a graph)."""
-    block_lens: torch.Tensor         # [R, 2C] int64
-    slots: torch.Tensor              # [R] int64
-    fresh: torch.Tensor              # [R] bool
-    max_len: int
-
-    def local_lens(self, rank: int) -> torch.Tensor:
-        """This rank's sequences in row order: every request's early block, then its late block."""
-        return torch.cat([self.block_lens[:, rank], self.block_lens[:, -1 - rank]])
-
-    def gathered_index(self) -> torch.Tensor:
-        """[R, 2C]: where block b of request q sits among the all-gathered sequences ([C * 2R],
-        rank-major, each rank's in row order)."""
-        requests, blocks = self.block_lens.shape
-        q = torch.arange(requests, device=self.block_lens.device)[:, None]
-        b = torch.arange(blocks, device=self.block_lens.device)[None, :]
-        early = b < blocks // 2
-        owner = torch.where(early, b, blocks - 1 - b)
-        return owner * 2 * requests + torch.where(early, q, requests + q)
+def gathered_index(block_lens: torch.Tensor) -> torch.Tensor:
+    """[R, 2C]: where block b of request q sits among the all-gathered sequences ([C * 2R],
+    rank-major, each rank's in row order: every request's early block, then every late block)."""
+    requests, blocks = block_lens.shape
+    q = torch.arange(requests, device=block_lens.device)[:, None]
+    b = torch.arange(blocks, device=block_lens.device)[None, :]
+    early = b < blocks // 2
+    owner = torch.where(early, b, blocks - 1 - b)
+    return owner * 2 * requests + torch.where(early, q, requests + q)
 
 
 def scan_windows(window: torch.Tensor, tails: torch.Tensor, lens: torch.Tensor
@@ -92,14 +76,23 @@ def scan_states(state: torch.Tensor, trans: torch.Tensor, offset: torch.Tensor
 
 
 class ZigzagLinearAttention:
-    """The op for a zigzag batch; counts its exchanges and the bytes this rank receives (inside the
-    collective's break, so graph replays count too)."""
+    """The op for a zigzag batch: ``block_lens`` [R, 2C] each request's blocks in sequence order, the
+    same on every rank (``CPMetadata.block_lens``); ``capacity`` this rank's rows (``static_max``).
+    Counts its exchanges and the bytes this rank receives (inside the collective's break, so graph
+    replays count too)."""
 
-    def __init__(self, pool: LinearStatePool, batch: ZigzagLinearBatch, comm: CPComm) -> None:
-        self.pool, self.batch, self.comm = pool, batch, comm
-        self.index = batch.gathered_index()          # depends on R and C only
+    def __init__(self, states: RequestStates, block_lens: torch.Tensor, comm: CPComm,
+                 capacity: int) -> None:
+        self.states, self.block_lens, self.comm = states, block_lens, comm
+        self.lens = self.local_lens(comm.rank)
+        self.max_len = static_max(self.lens, capacity)
+        self.index = gathered_index(block_lens)          # depends on R and C only
         self.num_exchanges = 0
         self.bytes_received = 0
+
+    def local_lens(self, rank: int) -> torch.Tensor:
+        """This rank's sequences in row order: every request's early block, then its late block."""
+        return torch.cat([self.block_lens[:, rank], self.block_lens[:, -1 - rank]])
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """[2R, ...] from every rank -> [R, 2C, ...] in each request's block order."""
@@ -110,17 +103,16 @@ class ZigzagLinearAttention:
     def __call__(self, layer_id: int, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  mixer: SequenceMixer) -> torch.Tensor:
         """As ``LocalLinearAttention``: this rank's zigzag rows in, their outputs out."""
-        rank, b = self.comm.rank, self.batch
-        lens = b.local_lens(rank)           # read each call: a graph replay sees the live lengths
+        rank, lens = self.comm.rank, self.lens
         late = 2 * self.comm.size - 1 - rank
-        window, state = self.pool.read(layer_id, b.slots, b.fresh)
-        x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, b.max_len)
+        window, state = self.states.read(layer_id)
+        x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, self.max_len)
         width = window.shape[1]
         # Each local block's last K-1 inputs, right-aligned: rows len-K+1 .. len-1 (zeros before 0).
         rows = lens[:, None] + torch.arange(width, device=x.device)       # into [zeros, x]
         tails = torch.cat([x.new_zeros(x.shape[0], width, x.shape[2]), x], 1)
         tails = tails.gather(1, rows[..., None].expand(-1, -1, x.shape[2]))
-        entering, final_window = scan_windows(window, self._gather(tails), b.block_lens)
+        entering, final_window = scan_windows(window, self._gather(tails), self.block_lens)
         mine = torch.cat([entering[:, rank], entering[:, late]])         # local row order
         conv_out, _ = causal_conv(x, mine, mixer.conv_weight, lens)
         o_zero, q_eff, trans, offset = block_transition(*mixer.heads(conv_out), g, beta)
@@ -129,7 +121,7 @@ class ZigzagLinearAttention:
         starts, final_state = scan_states(state, maps[..., :-dv], maps[..., -dv:])
         start = torch.cat([starts[:, rank], starts[:, late]])
         o = o_zero + torch.einsum("sthk,shkv->sthv", q_eff, start)
-        self.pool.write(layer_id, b.slots, final_window, final_state)
+        self.states.write(layer_id, final_window, final_state)
         return unpack(o, lens, mixed_qkv.shape[0])
 
 
@@ -149,3 +141,13 @@ def exchange_bytes(requests: int, cp_size: int, mixer_dims: tuple[int, int, int,
     kernel, conv_dim, heads, dk, dv = mixer_dims
     blocks = 2 * cp_size * requests
     return blocks * ((kernel - 1) * conv_dim * conv_bytes + heads * dk * (dk + dv) * 4)
+
+
+def linear_attention(ctx: AttentionContext) -> LocalLinearAttention | ZigzagLinearAttention:
+    """The op of the ``gated_deltanet`` layer kind for one forward: the zigzag hand-off when CP splits
+    the batch, the one-rank op otherwise (CP off, or a batch that runs unsharded)."""
+    meta = ctx.meta
+    states = RequestStates(ctx.pool.states, meta.state_in, meta.state_out)
+    if meta.cp_size > 1:
+        return ZigzagLinearAttention(states, meta.block_lens, ctx.comm, meta.local_cap)
+    return LocalLinearAttention(states, meta.block_lens, meta.token_index, meta.valid, meta.local_cap)

@@ -1,25 +1,28 @@
 """The linear-attention op on one rank: each request's new tokens are one sequence, started from the
-request's cached conv window and delta-rule state (zeros for a fresh request), whose final states go
-back to the pool. Under zigzag CP, graphcp/attention/linear_cp.py wraps the same steps.
+request's committed conv window and delta-rule state (zeros for a request without one), whose final
+states go to the slot its batch writes (``kv/states.py``). Under zigzag CP,
+graphcp/attention/linear_cp.py wraps the same steps.
 
 A Gated DeltaNet layer calls the forward context's attention op as every layer does,
 ``current_attention()(layer_id, mixed_qkv, g, beta, mixer=layer)``: the op owns the sequence
 dimension (states, conv window, CP hand-off), the layer its projections and heads
 (``SequenceMixer``).
 
-Every step is a tensor op on device lengths with a static ``max_len`` (no host sync), so the op can
-sit inside a captured graph segment; only the CP collectives are breaks where they cannot be
-captured.
+Every step is a tensor op on device lengths with a static ``max_len`` (the batch's longest, read once
+per eager forward; the local capacity in a graph), so the op can sit inside a captured graph segment;
+only the CP collectives are breaks where they cannot be captured.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from graphcp.kv.linear_state import LinearStatePool
+from graphcp.graph.protocol import capture_active
+from graphcp.kv.states import NO_STATE, StatePool
 from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpack
+
+CONV, RECURRENT = "conv", "recurrent"      # the per-request parts of a linear layer (attention/kinds.py)
 
 
 class SequenceMixer(Protocol):
@@ -34,16 +37,36 @@ class SequenceMixer(Protocol):
         head) and v [S, T, Hv, dv]."""
 
 
-@dataclass
-class LinearBatch:
-    """What the linear layers need of a batch: each request's new-token count (its rows are
-    consecutive, in request order), its state slot and whether it starts fresh (no cached prefix);
-    ``max_len`` bounds the counts (the batch's longest eagerly, the bucket's capacity in a
-    graph)."""
-    lens: torch.Tensor       # [R] int64
-    slots: torch.Tensor      # [R] int64, into LinearStatePool (0: the dummy slot of padding)
-    fresh: torch.Tensor      # [R] bool
-    max_len: int
+class RequestStates:
+    """One forward's per-request states of the linear layers: each request reads its committed slot
+    (``state_in``; zeros where it has none) and writes the slot its batch writes (``state_out``)."""
+
+    def __init__(self, states: StatePool, state_in: torch.Tensor, state_out: torch.Tensor) -> None:
+        self.states, self.state_in, self.state_out = states, state_in, state_out
+        self.fresh = state_in == NO_STATE
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv windows [R, K-1, conv_dim], delta states [R, Hv, dk, dv] fp32)."""
+        conv, recurrent = self.states.part(layer, CONV), self.states.part(layer, RECURRENT)
+        zero = torch.zeros((), device=conv.device)
+        window = torch.where(self.fresh[:, None, None], zero.to(conv.dtype),
+                             conv.index_select(0, self.state_in))
+        state = torch.where(self.fresh[:, None, None, None], zero.to(recurrent.dtype),
+                            recurrent.index_select(0, self.state_in))
+        return window, state.float()
+
+    def write(self, layer: int, window: torch.Tensor, state: torch.Tensor) -> None:
+        conv, recurrent = self.states.part(layer, CONV), self.states.part(layer, RECURRENT)
+        conv.index_copy_(0, self.state_out, window.to(conv.dtype))
+        recurrent.index_copy_(0, self.state_out, state.to(recurrent.dtype))
+
+
+def static_max(lens: torch.Tensor, capacity: int) -> int:
+    """The padded sequence length of one forward: the batch's longest eagerly (one host read per
+    forward), the local capacity in a graph (a captured segment reads no host value)."""
+    if capture_active():
+        return max(capacity, 1)
+    return max(int(lens.max()), 1) if lens.numel() else 1
 
 
 def mixer_inputs(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: torch.Tensor,
@@ -67,18 +90,25 @@ def run_sequences(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
 
 
 class LocalLinearAttention:
-    """The op for a batch whose tokens all sit on this rank (no CP, or CP not applied)."""
+    """The op for a batch whose tokens all sit on this rank (no CP, or a batch CP does not split).
+    It runs the rows in request order (``order``: the local row of each new token, then the padding
+    rows), as a one-rank zigzag holds every request's early half, then every late half."""
 
-    def __init__(self, pool: LinearStatePool, batch: LinearBatch) -> None:
-        self.pool, self.batch = pool, batch
+    def __init__(self, states: RequestStates, block_lens: torch.Tensor, token_index: torch.Tensor,
+                 valid: torch.Tensor, capacity: int) -> None:
+        """From the layout's blocks ([R, blocks]) and each local row's new-token index and validity
+        (``CPMetadata``); ``capacity``: the local rows (``static_max``)."""
+        self.states, self.lens = states, block_lens.sum(1)
+        key = torch.where(valid > 0, token_index, token_index.shape[0] + self.lens.sum())
+        self.order = torch.argsort(key, stable=True)
+        self.max_len = static_max(self.lens, capacity)
 
     def __call__(self, layer_id: int, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  mixer: SequenceMixer) -> torch.Tensor:
         """This rank's rows: mixed_qkv [T, conv_dim] (before the conv), g (log decay) and beta
         [T, Hv] -> the delta rule's output [T, Hv, dv], fp32 (zeros on padding rows)."""
-        b = self.batch
-        window, state = self.pool.read(layer_id, b.slots, b.fresh)
-        out, window, state = run_sequences(mixed_qkv, g, beta, mixer, b.lens, b.max_len, window,
-                                           state)
-        self.pool.write(layer_id, b.slots, window, state)
-        return out
+        window, state = self.states.read(layer_id)
+        rows = [t.index_select(0, self.order) for t in (mixed_qkv, g, beta)]
+        out, window, state = run_sequences(*rows, mixer, self.lens, self.max_len, window, state)
+        self.states.write(layer_id, window, state)
+        return torch.empty_like(out).index_copy_(0, self.order, out)
