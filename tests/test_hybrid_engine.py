@@ -2,7 +2,7 @@
 
 ``Engine(EngineArgs(model_path=<Qwen3-Next or Qwen3.5>))`` at CP 1 (graph and eager), CP 2 zigzag
 (graph and eager) and CP 4 (eager): a fresh batch, then a batch continuing one request (chunked
-prefill) beside a fresh one; logits at each request's last token, then every layer of
+prefill) beside a fresh one, then 3 more tokens of that one (a batch CP runs unsharded); logits at each request's last token, then every layer of
 ``engine.kv_cache`` (full-attention K/V, linear-attention conv window and delta state) equal to HF;
 ``release`` frees the state slots and ``stats`` counts them. At CP 1: a batch that fails mid-forward
 leaves the committed state, the pages and the slots as they were, and a batch that needs more state
@@ -18,12 +18,13 @@ from hybrid_reference import HybridHF, make_hybrid_checkpoint, rel_err
 from graphcp import Request, RequestError
 
 TOL = 1e-4
-LENGTHS = {"a": 190, "b": 57, "c": 9}
-# (engine, first batch, second batch): "a" is chunked 130 + 60 beside a fresh "c".
-BATCHES = ([("a", 0, 130), ("b", 0, 57)], [("a", 130, 190), ("c", 0, 9)])
+LENGTHS = {"a": 190, "b": 57, "c": 63}
+# "a" is chunked 120 + 70 beside a fresh "c"; "c" then gets 3 tokens, too few for CP to split. The
+# first two batches fill one graph bucket (256 tokens at CP 1, 128 per rank at CP 2) over half.
+BATCHES = ([("a", 0, 120), ("b", 0, 57)], [("a", 120, 190), ("c", 0, 60)], [("c", 60, 63)])
 SMALL = dict(max_batch_requests=2, max_state_requests=2)    # 2 + 2 spare state slots
-ENGINES = {1: dict(SMALL, cuda_graph_buckets=[96, 256]),
-           2: cp_kwargs(2, **SMALL, cuda_graph_buckets=[64, 128]),
+ENGINES = {1: dict(SMALL, cuda_graph_buckets=[256]),
+           2: cp_kwargs(2, **SMALL, cuda_graph_buckets=[128]),
            4: cp_kwargs(4, **SMALL, disable_cuda_graph=True)}
 CASES = [("qwen3_5", 1), ("qwen3_next", 1), ("qwen3_next", 2), ("qwen3_5", 4)]
 
@@ -69,13 +70,13 @@ def _check_caches(engine, rid: str, ref: tuple, label: str) -> float:  # noqa: A
     return worst
 
 
-def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list[str]]:  # noqa: ANN001
+def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list]:  # noqa: ANN001
     free = engine.stats()["state_slots_free"]
     worst, modes = 0.0, []
     for batch in BATCHES:
         out = engine.prefill([Request(r, TOKENS[r][s:e]) for r, s, e in batch],
                              force_eager=force_eager)
-        modes.append(out.mode)
+        modes.append((out.mode, out.cp_applied))
         for row, (rid, _, end) in enumerate(batch):
             err = rel_err(out.logits[row], reference(path, TOKENS[rid])[0][end - 1])
             assert err <= TOL, f"{rid} at {end}: logits rel err {err:.2e} ({out.mode})"
@@ -100,8 +101,8 @@ def test_hybrid_engine_equals_hf(hybrid, engines, arch, cp):
         worst, modes = _serve(engine, paths[arch], reference, force_eager)
         print(f"{arch} CP {cp} {'eager' if force_eager else 'graph'}: modes {modes}, "
               f"worst rel err {worst:.1e}")
-        if not force_eager:
-            assert modes == ["graph", "graph"]
+        assert [mode for mode, _ in modes[:2]] == ["eager" if force_eager else "graph"] * 2
+        assert [applied for _, applied in modes] == [cp > 1, cp > 1, False]
 
 
 def test_failed_batch_leaves_state_pages_and_slots(hybrid, engines, monkeypatch):
