@@ -24,7 +24,7 @@ from graphcp.forward_context import forward_context
 from graphcp.kv.states import StatePool
 from graphcp.models import load_model, read_model_config
 from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
-from graphcp.models.hybrid_config import check_hybrid_flags
+from graphcp.models.flags import check_model_flags
 from graphcp.models.parallel import TPInfo
 
 TOL = 1e-4
@@ -238,6 +238,8 @@ def test_hybrid_config_reads_the_layer_pattern(tmp_path):
 @pytest.mark.parametrize("flags, named", [
     (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="interleave"),
      "--cp-strategy"),
+    (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag",
+          enable_adaptive_cp=True), "--enable-adaptive-cp"),
     (dict(tp_size=2), "--tp"),
     (dict(disaggregation_mode="prefill"), "--disaggregation-mode"),
 ])
@@ -245,10 +247,11 @@ def test_hybrid_flags_are_checked(hybrid_dir, flags, named):
     path = str(hybrid_dir / "qwen3_5")
     if not os.path.isdir(path):
         make_hybrid_checkpoint(path, "qwen3_5", seed=1)
-    check_hybrid_flags(EngineArgs(model_path=path, tp_size=2, attn_cp_size=2,
-                                  enable_prefill_cp=True, cp_strategy="zigzag"))   # accepted
+    # The engine's early model check, before any rank process starts.
+    check_model_flags(EngineArgs(model_path=path, tp_size=2, attn_cp_size=2,
+                                 enable_prefill_cp=True, cp_strategy="zigzag"))   # accepted
     with pytest.raises(ConfigError, match=named):
-        check_hybrid_flags(EngineArgs(model_path=path, **flags))
+        check_model_flags(EngineArgs(model_path=path, **flags))
 
 
 def test_hybrid_refuses_attention_tp(hybrid_dir):

@@ -117,11 +117,15 @@ def hybrid_rope(raw: dict) -> dict:
 
 def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
     """What the hybrid models run with: zigzag CP (the state hand-off cuts each request into 2C
-    blocks; interleave would cut every linear-attention sequence token by token), no attention TP
-    (DeltaNet heads are not split), no PD transfer (it would have to carry the linear states)."""
+    blocks; interleave would cut every linear-attention sequence token by token) without adaptive
+    placement (untested), no attention TP (DeltaNet heads are not split), no PD transfer (it would
+    have to carry the linear states)."""
     if args.cp_size > 1 and args.resolved_cp_strategy != "zigzag":
         raise ConfigError(f"--cp-strategy {args.resolved_cp_strategy}: hybrid linear-attention "
                           "models need --cp-strategy zigzag")
+    if args.enable_adaptive_cp:
+        raise ConfigError("--enable-adaptive-cp: hybrid linear-attention models are not served with "
+                          "adaptive placement yet (drop the flag: every request is split zigzag)")
     if args.attn_tp_size > 1:
         raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention "
                           "TP 1 (--tp equal to --dp x --attn-cp-size)")
