@@ -43,8 +43,8 @@ class EngineArgs:
     max_total_tokens: int | None = None
     capture_plan: str | None = None
     max_batch_requests: int = 8
-    max_state_requests: int | None = None   # models with per-request state: requests holding it at once
-                                            # (None: 4 x max_batch_requests)
+    max_state_requests: int | None = None   # models with per-request state: requests that hold it
+                                            # at once (None: 4 x max_batch_requests)
     rank_timeout_s: float = 60.0
     ffn_tp_size: int | None = None   # None = the TP world; or tp / (dp x attn-cp-size) to keep the FFN
                                      # with attention TP: no layer communicator, FFN weights replicated per CP rank
@@ -162,7 +162,8 @@ class EngineArgs:
 
     @property
     def resolved_max_state_requests(self) -> int:
-        return 4 * self.max_batch_requests if self.max_state_requests is None else self.max_state_requests
+        given = self.max_state_requests
+        return 4 * self.max_batch_requests if given is None else given
 
     @property
     def resolved_cp_strategy(self) -> str:
@@ -216,8 +217,8 @@ class EngineArgs:
         add("--max-batch-requests", type=int, default=d["max_batch_requests"],
             help="static request capacity of the graphs")
         add("--max-state-requests", type=int, default=d["max_state_requests"],
-            help="models with per-request recurrent state (linear attention): requests that hold it at "
-                 "once (default 4 x --max-batch-requests)")
+            help="models with per-request recurrent state (linear attention): requests that "
+                 "hold it at once (default 4 x --max-batch-requests)")
         add("--rank-timeout", dest="rank_timeout_s", type=float, default=d["rank_timeout_s"],
             help="seconds before a silent rank makes prefill fail")
         add("--ffn-tp-size", type=int, default=d["ffn_tp_size"],

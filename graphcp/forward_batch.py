@@ -43,11 +43,10 @@ class Descriptors:
     @classmethod
     def allocate(cls, req_cap: int, pages_cap: int, ids_cap: int, device: torch.device | str = "cpu",
                  pin: bool = False) -> "Descriptors":
-        packed = torch.zeros(5 * req_cap + req_cap * pages_cap + ids_cap, dtype=torch.long, device=device,
-                             pin_memory=pin)
-        per_request = packed[:5 * req_cap].view(5, req_cap)
-        c = 5 * req_cap + req_cap * pages_cap
-        return cls(packed, *per_request.unbind(0), packed[5 * req_cap:c].view(req_cap, pages_cap), packed[c:])
+        a, c = 5 * req_cap, 5 * req_cap + req_cap * pages_cap      # five per-request rows first
+        packed = torch.zeros(c + ids_cap, dtype=torch.long, device=device, pin_memory=pin)
+        per_request = packed[:a].view(5, req_cap).unbind(0)
+        return cls(packed, *per_request, packed[a:c].view(req_cap, pages_cap), packed[c:])
 
     @classmethod
     def for_batch(cls, batch: BatchInputs) -> "Descriptors":

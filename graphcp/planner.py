@@ -75,7 +75,8 @@ class BatchPlan:
     def local_cap(self) -> int:
         return self.layout.local_cap
 
-    def inputs(self, page_rows: list, state_rows: tuple[list[int], list[int]] | None = None) -> BatchInputs:
+    def inputs(self, page_rows: list,
+               state_rows: tuple[list[int], list[int]] | None = None) -> BatchInputs:
         """The descriptors' source; a DP group without requests joins with one zero-length request.
         ``state_rows``: the per-request state slots each request reads and writes (kv/pages.py)."""
         if not self.rids:

@@ -63,7 +63,8 @@ class ModelRunner:
                                          self.strategy.bottom_right_causal)
         write = chosen("kv_write") if self.device.type == "cuda" else None
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
-                          cfg.sliding_window, write, announce=rank == 0, state_parts=self.attention.state_parts())
+                          cfg.sliding_window, write, announce=rank == 0,
+                          state_parts=self.attention.state_parts())
         self.pool, self.max_context = cache.pool, cache.max_context
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,
@@ -242,8 +243,8 @@ class ModelRunner:
             return None
         slots, state = slots.to(self.device), self.planner.state_slot(rid)
         held = self.pool.held_layers(self.par.layers)       # LayerSplit: only this CP rank's layers
-        layers = [self.attention.export(layer, self.pool.read(layer, slots) + self.pool.states.read(layer, state))
-                  for layer in held]
+        rows = [self.pool.read(layer, slots) + self.pool.states.read(layer, state) for layer in held]
+        layers = [self.attention.export(layer, parts) for layer, parts in zip(held, rows)]
         me = self.par.me
         return {"first_layer": held.start, "attn_tp_rank": me.attn_tp_rank, "cp_rank": me.cp_rank,
                 "layers": layers, "some_layers": held != self.par.layers}

@@ -189,8 +189,8 @@ class StateSlots:
         return {layer: self.pool.read(layer, self.slot[rid]) for layer in self.pool.layer_parts}
 
 
-def graph_equals_eager(make_op, mixer, inputs: list[torch.Tensor], tensors: list[torch.Tensor],  # noqa: ANN001
-                       next_batch) -> float:  # noqa: ANN001
+def graph_equals_eager(make_op, mixer, inputs: list[torch.Tensor],  # noqa: ANN001
+                       tensors: list[torch.Tensor], next_batch) -> float:  # noqa: ANN001
     """Capture the linear-attention op ``make_op()`` builds (built inside the segment, as the engine
     builds it per forward) under graphcp's CPU capture emulation (its rules: no host sync, no
     data-dependent shape, collectives as breaks), let ``next_batch()`` write another batch into the

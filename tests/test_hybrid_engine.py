@@ -2,11 +2,12 @@
 
 ``Engine(EngineArgs(model_path=<Qwen3-Next or Qwen3.5>))`` at CP 1 (graph and eager), CP 2 zigzag
 (graph and eager) and CP 4 (eager): a fresh batch, then a batch continuing one request (chunked
-prefill) beside a fresh one, then 3 more tokens of that one (a batch CP runs unsharded); logits at each request's last token, then every layer of
-``engine.kv_cache`` (full-attention K/V, linear-attention conv window and delta state) equal to HF;
-``release`` frees the state slots and ``stats`` counts them. At CP 1: a batch that fails mid-forward
-leaves the committed state, the pages and the slots as they were, and a batch that needs more state
-slots than are free is a RequestError naming the request.
+prefill) beside a fresh one, then 3 more tokens of that one (a batch CP runs unsharded). Logits at
+each request's last token, then every layer of ``engine.kv_cache`` (full-attention K/V,
+linear-attention conv window and delta state) equal to HF; ``release`` frees the state slots and
+``stats`` counts them. At CP 1: a batch that fails mid-forward leaves the committed state, the pages
+and the slots as they were, and a batch that needs more state slots than are free is a RequestError
+naming the request.
 """
 from __future__ import annotations
 

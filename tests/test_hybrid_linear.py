@@ -21,7 +21,6 @@ from graphcp.attention.linear_op import LocalLinearAttention, RequestStates
 from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError
 from graphcp.forward_context import forward_context
-from graphcp.kv.states import StatePool
 from graphcp.models import load_model, read_model_config
 from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
 from graphcp.models.flags import check_model_flags

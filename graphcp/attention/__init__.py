@@ -56,7 +56,7 @@ class AttentionBackend:
         return cache_parts(self.cfg, range(min(self.kinds), max(self.kinds) + 1), self.attn_tp)
 
     def state_parts(self) -> LayerParts:
-        """Per-request parts of the layers whose kind keeps state (none for attention-only models)."""
+        """Per-request parts of the layers whose kind keeps state (none for attention only)."""
         return state_parts(self.cfg, range(min(self.kinds), max(self.kinds) + 1), self.attn_tp)
 
     def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima) -> LayerOps:

@@ -1,7 +1,8 @@
-"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token (and
-per request, for a recurrent kind), and how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
-(``ModelConfig.attention_kinds``); this table is the one place a name becomes an op and a cache layout.
-A new family adds its kind here, its op beside ``op.py`` and ``dsa.py``, and its model file."""
+"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token
+(and per request, for a recurrent kind), and how the engine returns them (``engine.kv_cache``). The
+model config names each layer's kind (``ModelConfig.attention_kinds``); this table is the one place a
+name becomes an op and a cache layout. A new family adds its kind here, its op beside ``op.py`` and
+``dsa.py``, and its model file."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class LayerKind:
     pd_kind: str                                                   # the name PD destinations carry
     kernels: tuple[str, ...]                                       # the kernel ops its op runs
     graph_reason: str | None = None                                # why its layers run eagerly
-    state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None   # parts per request
+    state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None  # per request
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -57,7 +58,7 @@ def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
 
 
 def _linear_state(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
-    """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs) and the delta-rule state in fp32."""
+    """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs), the delta-rule state (fp32)."""
     h = cfg.hybrid
     return (CachePart(CONV, (h.conv_kernel - 1, h.conv_dim)),
             CachePart(RECURRENT, (h.num_v_heads, h.head_k_dim, h.head_v_dim), torch.float32))
@@ -97,5 +98,6 @@ def cache_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
 
 def state_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
     """What each of ``layers`` whose kind keeps per-request state keeps per request."""
-    return {layer: kind.state(cfg, layer, attn_tp) for layer, kind in layer_kinds(cfg, layers).items()
+    kinds = layer_kinds(cfg, layers)
+    return {layer: kind.state(cfg, layer, attn_tp) for layer, kind in kinds.items()
             if kind.state is not None}

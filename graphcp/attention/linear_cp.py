@@ -76,8 +76,9 @@ def scan_states(state: torch.Tensor, trans: torch.Tensor, offset: torch.Tensor
 
 
 class ZigzagLinearAttention:
-    """The op for a zigzag batch: ``block_lens`` [R, 2C] each request's blocks in sequence order, the
-    same on every rank (``CPMetadata.block_lens``); ``capacity`` this rank's rows (``static_max``).
+    """The op for a zigzag batch: ``block_lens`` [R, 2C] each request's blocks in sequence order,
+    the same on every rank (``CPMetadata.block_lens``); ``capacity``: this rank's rows
+    (``static_max``).
     Counts its exchanges and the bytes this rank receives (inside the collective's break, so graph
     replays count too)."""
 
@@ -144,10 +145,11 @@ def exchange_bytes(requests: int, cp_size: int, mixer_dims: tuple[int, int, int,
 
 
 def linear_attention(ctx: AttentionContext) -> LocalLinearAttention | ZigzagLinearAttention:
-    """The op of the ``gated_deltanet`` layer kind for one forward: the zigzag hand-off when CP splits
-    the batch, the one-rank op otherwise (CP off, or a batch that runs unsharded)."""
+    """The op of the ``gated_deltanet`` layer kind for one forward: the zigzag hand-off when CP
+    splits the batch, the one-rank op otherwise (CP off, or a batch that runs unsharded)."""
     meta = ctx.meta
     states = RequestStates(ctx.pool.states, meta.state_in, meta.state_out)
     if meta.cp_size > 1:
         return ZigzagLinearAttention(states, meta.block_lens, ctx.comm, meta.local_cap)
-    return LocalLinearAttention(states, meta.block_lens, meta.token_index, meta.valid, meta.local_cap)
+    return LocalLinearAttention(states, meta.block_lens, meta.token_index, meta.valid,
+                                meta.local_cap)

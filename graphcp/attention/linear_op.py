@@ -8,9 +8,9 @@ A Gated DeltaNet layer calls the forward context's attention op as every layer d
 dimension (states, conv window, CP hand-off), the layer its projections and heads
 (``SequenceMixer``).
 
-Every step is a tensor op on device lengths with a static ``max_len`` (the batch's longest, read once
-per eager forward; the local capacity in a graph), so the op can sit inside a captured graph segment;
-only the CP collectives are breaks where they cannot be captured.
+Every step is a tensor op on device lengths with a static ``max_len`` (the batch's longest, read
+once per eager forward; the local capacity in a graph), so the op can sit inside a captured graph
+segment; only the CP collectives are breaks where they cannot be captured.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from graphcp.graph.protocol import capture_active
 from graphcp.kv.states import NO_STATE, StatePool
 from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpack
 
-CONV, RECURRENT = "conv", "recurrent"      # the per-request parts of a linear layer (attention/kinds.py)
+CONV, RECURRENT = "conv", "recurrent"      # a linear layer's per-request parts (attention/kinds.py)
 
 
 class SequenceMixer(Protocol):

@@ -30,8 +30,8 @@ class CPMetadata:
     logit_rows: torch.Tensor     # [R] local row of each request's last token
     logit_owner: torch.Tensor    # [R] 1 where this rank holds that row
     gather_token_index: torch.Tensor  # [cp_size * local_cap] new-token index of each all-gathered row, -1: padding
-    block_lens: torch.Tensor     # [R, blocks] each request's new tokens cut in the layout's blocks, in sequence
-                                 # order (zigzag: 2C blocks, rank r holds r and 2C-1-r; interleave: one)
+    block_lens: torch.Tensor     # [R, blocks] each request's new tokens in the layout's blocks, in
+                                 # order (zigzag: 2C, rank r holds r and 2C-1-r; interleave: one)
     early_sequences: int = 0     # zigzag: the first R sequences are the early blocks (0: no early/late split)
     state_in: torch.Tensor | None = None    # [R] per-request state slot each request reads (0: none)
     state_out: torch.Tensor | None = None   # [R] per-request state slot it writes (kv/states.py)
@@ -108,7 +108,8 @@ def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_t
         cp_size=C, local_cap=local_cap, token_index=token_index[rank], positions=position[rank],
         valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
         page_rows=page_table.repeat(2, 1), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner,
-        gather_token_index=((token_index + 1) * valid - 1).reshape(-1), block_lens=blk, early_sequences=R)
+        gather_token_index=((token_index + 1) * valid - 1).reshape(-1), block_lens=blk,
+        early_sequences=R)
 
 
 def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,

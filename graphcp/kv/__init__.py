@@ -31,9 +31,9 @@ def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: t
               state_parts: LayerParts | None = None) -> RankCache:
     """The rank's pool for ``parts`` (its stage's layers), sized alike on every rank (the least free memory
     of any rank). PD LayerSplit: each CP rank keeps only its own layers (and a scratch layer), so the pool
-    is sized as if it held 1/C of them. ``state_parts``: what layers keep per request (``kv/states.py``):
-    --max-state-requests slots, plus one spare per request of a full batch (a batch writes spare slots
-    until it commits), taken from the memory before the KV pages are sized."""
+    is sized as if it held 1/C of them. ``state_parts``: what layers keep per request
+    (``kv/states.py``): --max-state-requests slots, plus one spare per request of a full batch (a
+    batch writes spare slots until it commits), taken from the memory before the pages are sized."""
     per_token, split = bytes_per_token(parts, dtype), args.enable_dsa_cache_layer_split
     if split:
         per_token = -(-per_token // args.cp_size)

@@ -3,9 +3,9 @@ rows and indexer keys), each stored as ``[slots, *row shape]`` with slot = page 
 
 Page 0 is reserved: its first slot is the dummy slot that padding rows write to, so padded graph
 replays never touch a real cache entry. Parts kept per request rather than per token (a recurrent
-layer's state) live beside the pages in ``states`` (``kv/states.py``). The pool knows nothing of model families: a layer kind names
-its parts (``CachePart``) and the pool stores them; ``graphcp/attention/kinds.py`` says which kind each
-layer has and how the engine returns its cache.
+layer's state) live beside the pages in ``states`` (``kv/states.py``). The pool knows nothing of
+model families: a layer kind names its parts (``CachePart``) and the pool stores them;
+``graphcp/attention/kinds.py`` says which kind each layer has and how the engine returns its cache.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Page allocation and per-request page tables, on the host. Every rank makes the same decisions.
 
-Models with per-request state (``kv/states.py``) also take state slots here, in the same transaction:
-every request of a batch gets a spare slot that its new state is written to; commit makes it the
-request's slot (freeing the old one), rollback frees it.
+Models with per-request state (``kv/states.py``) also take state slots here, in the same
+transaction: every request of a batch gets a spare slot that its new state is written to; commit
+makes it the request's slot (freeing the old one), rollback frees it.
 
 Page ids live in int64 numpy arrays (the free stack and each request's row), so a batch's page table
 is filled without turning Python ints into tensors one by one.
@@ -31,7 +31,8 @@ class RequestKV:
 class PageTable:
     """Owns the free pages (page 0 is reserved for the dummy slot) and each rid's pages."""
 
-    def __init__(self, num_pages: int, page_size: int, max_context: int, state_slots: int = 0) -> None:
+    def __init__(self, num_pages: int, page_size: int, max_context: int,
+                 state_slots: int = 0) -> None:
         self.page_size = page_size
         self.state_slots = state_slots
         self._free_states = list(range(state_slots, 0, -1))     # a stack: slot 1 handed out first
@@ -83,10 +84,10 @@ class PageTable:
                                f"only {self.tokens_free} are free; release finished requests")
         if self.state_slots and len(rids) > len(self._free_states):
             held = sum(1 for r in requests.values() if r.state_slot)
-            raise RequestError(f"request {rids[len(self._free_states)]!r}: no free per-request state "
-                               f"slot ({held} requests hold one, a batch writes each of its requests "
-                               f"to a spare one); release finished requests or raise "
-                               f"--max-state-requests")
+            first = rids[len(self._free_states)]
+            raise RequestError(f"request {first!r}: no free per-request state slot ({held} "
+                               "requests hold one, a batch writes each of its requests to a spare "
+                               "one); release finished requests or raise --max-state-requests")
 
     def allocate(self, rids: list[str], extend_lens: list[int]) -> list[np.ndarray]:
         """Grow each request's pages for its new tokens; returns the undo list of new pages per request."""

@@ -1,10 +1,10 @@
 """Per-request state: what a layer kind keeps per request rather than per token (a recurrent layer's
 conv window and state), stored beside the paged KV in slots, one slot per request.
 
-Slot 0 is the dummy that padding requests read and write. The page table hands out the slots in the
-same transaction as pages (``kv/pages.py``): a batch reads each request's committed slot and writes a
-spare one, which becomes the request's slot when the batch commits; a failed batch frees the spare, so
-the committed state is never overwritten by a forward that does not finish.
+Slot 0 is the dummy that padding requests read and write. The page table hands out the slots in
+the same transaction as pages (``kv/pages.py``): a batch reads each request's committed slot and
+writes a spare one, which becomes the request's slot when the batch commits; a failed batch frees
+the spare, so the committed state is never overwritten by a forward that does not finish.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class StatePool:
         return self.storage[layer, name]
 
     def read(self, layer: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """Every part of ``layer`` at one slot, in the layer's part order (none for a layer without)."""
+        """Every part of ``layer`` at one slot, in the layer's part order (none if it keeps none)."""
         return tuple(self.storage[layer, p.name][slot] for p in self.layer_parts.get(layer, ()))
 
     @property

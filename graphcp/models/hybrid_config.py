@@ -124,8 +124,8 @@ def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
         raise ConfigError(f"--cp-strategy {args.resolved_cp_strategy}: hybrid linear-attention "
                           "models need --cp-strategy zigzag")
     if args.enable_adaptive_cp:
-        raise ConfigError("--enable-adaptive-cp: hybrid linear-attention models are not served with "
-                          "adaptive placement yet (drop the flag: every request is split zigzag)")
+        raise ConfigError("--enable-adaptive-cp: hybrid linear-attention models are not served "
+                          "with adaptive placement yet (drop the flag: every request is split zigzag)")
     if args.attn_tp_size > 1:
         raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention "
                           "TP 1 (--tp equal to --dp x --attn-cp-size)")

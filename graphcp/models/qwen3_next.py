@@ -127,7 +127,7 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridCausalLM(DecoderLM):
-    """The hybrid family on the shared decoder (``models/decoder.py``), its final norm zero-centred."""
+    """The hybrid family on the shared decoder (``models/decoder.py``), final norm zero-centred."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
                  ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
