@@ -129,40 +129,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-class GatheredFullAttention:
-    """Zigzag stand-in for the engine's CP attention (test only): all-gathers every rank's K/V with
-    each row's request and position, keeps each request's K/V in position order across calls, and
-    lets each local query see its request's keys up to its own position."""
-
-    def __init__(self, kv: dict, group, rids: list[str], row_request: torch.Tensor,  # noqa: ANN001
-                 row_position: torch.Tensor) -> None:
-        self.kv, self.group, self.rids = kv, group, rids
-        self.row_request, self.row_position = row_request, row_position     # [cap], -1: padding
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        from graphcp.dist.comm import all_gather_into
-        out = x.new_empty((dist.get_world_size(self.group) * x.shape[0],) + x.shape[1:])
-        return all_gather_into(out, x, self.group)
-
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
-        keys_all, values_all = self._gather(k), self._gather(v)
-        req_all, pos_all = self._gather(self.row_request), self._gather(self.row_position)
-        out = q.new_zeros(q.shape)
-        for i, rid in enumerate(self.rids):
-            new = (req_all == i).nonzero()[:, 0]
-            new = new[pos_all[new].argsort()]
-            old_k, old_v = self.kv.get((rid, layer_id), (k[:0], v[:0]))
-            keys, values = torch.cat([old_k, keys_all[new]]), torch.cat([old_v, values_all[new]])
-            self.kv[(rid, layer_id)] = (keys, values)
-            mine = (self.row_request == i).nonzero()[:, 0]
-            mask = torch.arange(keys.shape[0])[None, :] <= self.row_position[mine][:, None]
-            out[mine] = _attend(q[mine], keys, values, mask)
-        return out
-
-
 class StateSlots:
     """Per-request state for tests that drive the linear ops directly: a StatePool over ``layers``
     and one slot per request, read once the request has run and written in place."""
