@@ -62,13 +62,14 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
                   torch.rand(sum(lens), h.num_v_heads, generator=gen)]
         rows = torch.arange(sum(lens))
         ref = LocalLinearAttention(pools[0].states(rids), torch.tensor(lens)[:, None], rows,
-                                   torch.ones_like(rows), sum(lens))(0, *inputs, mixer=mixer)
+                                   torch.ones_like(rows))(0, *inputs, mixer=mixer)
         index, blocks, cap = _zigzag(comm.size, comm.rank, lens, prefix)
         garbage = [torch.randn((cap,) + x.shape[1:], generator=gen) for x in inputs]
         local = [_rows(x, index, cap, fill) for x, fill in zip(inputs, garbage)]
         op = ZigzagLinearAttention(pools[1].states(rids), blocks, comm, cap)
         mine = blocks[:, [comm.rank, 2 * comm.size - 1 - comm.rank]]
-        assert op.max_len == max(int(mine.max()), 1)     # eagerly: this rank's longest block
+        needed = int(((mine + 63) // 64).sum())           # eagerly: the chunks its blocks need
+        assert op.layout.seq.shape[0] == max(needed, 1)
         out = op(0, *local, mixer=mixer)
         assert op.num_exchanges == 2 and not out[len(index):].any()
         dims = (h.conv_kernel, h.conv_dim, h.num_v_heads, h.head_k_dim, h.head_v_dim)

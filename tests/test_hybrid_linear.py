@@ -22,7 +22,8 @@ from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError
 from graphcp.forward_context import forward_context
 from graphcp.models import load_model, read_model_config
-from graphcp.models.delta_rule import block_transition, causal_conv, gated_delta_rule, l2norm
+from graphcp.models.delta_rule import (ChunkLayout, block_transition, causal_conv, gated_delta_rule,
+                                      l2norm, state_outputs)
 from graphcp.models.flags import check_model_flags
 from graphcp.models.parallel import TPInfo
 
@@ -52,7 +53,7 @@ class Driver:
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
         rows = torch.arange(sum(lens))
         linear_op = LocalLinearAttention(self.states.states(rids), torch.tensor(lens)[:, None],
-                                         rows, torch.ones_like(rows), sum(lens))
+                                         rows, torch.ones_like(rows))
         ops = ByKind(self.model.config.hybrid.linear_layers, linear_op,
                      LocalFullAttention(self.kv, rids, lens))
         with forward_context(ops):
@@ -117,34 +118,49 @@ def test_fp8_block_quantized_hybrid_equals_hf(hybrid_dir):
 
 
 def test_delta_rule_and_conv_equal_hf_functions():
-    """The functions the layers and the CP hand-off share, against HF's torch fallbacks: the chunked
-    rule (with an initial state, a length off the chunk grid), its affine form, and the conv with a
-    carried window."""
+    """The functions the layers and the CP hand-off share, against HF's torch fallbacks run on each
+    sequence alone: the chunked rule on consecutive sequences of 150, 0 and 70 steps plus padding
+    rows (initial states, lengths off the chunk grid, a chunk bound above the need), its affine
+    form, and the conv with carried windows (a sequence shorter than the window included)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import (causal_conv1d_update,
                                                                     torch_chunk_gated_delta_rule)
     gen = torch.Generator().manual_seed(0)
-    s, t, h, dk, dv = 2, 150, 3, 16, 8
-    q, k = torch.randn(s, t, h, dk, generator=gen), torch.randn(s, t, h, dk, generator=gen)
-    v, s0 = torch.randn(s, t, h, dv, generator=gen), torch.randn(s, h, dk, dv, generator=gen)
-    g, beta = -0.3 * torch.rand(s, t, h, generator=gen), torch.rand(s, t, h, generator=gen)
-    o_hf, final_hf = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=s0,
-                                                  output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True)
-    o, final = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta, s0)
-    assert rel_err(o, o_hf) <= 1e-5 and rel_err(final, final_hf) <= 1e-5
-    o_zero, q_eff, trans, offset = block_transition(l2norm(q), l2norm(k), v, g, beta)
-    assert rel_err(o_zero + torch.einsum("sthk,shkv->sthv", q_eff, s0), o_hf) <= 1e-5
-    assert rel_err(trans @ s0 + offset, final_hf) <= 1e-5
+    lens, pad, h, dk, dv = [150, 0, 70], 5, 3, 16, 8
+    rows = sum(lens) + pad
+    q, k = torch.randn(rows, h, dk, generator=gen), torch.randn(rows, h, dk, generator=gen)
+    v, s0 = torch.randn(rows, h, dv, generator=gen), torch.randn(3, h, dk, dv, generator=gen)
+    g, beta = -0.3 * torch.rand(rows, h, generator=gen), torch.rand(rows, h, generator=gen)
+    layout = ChunkLayout(torch.tensor(lens), rows, 7)              # 3 + 0 + 2 needed
+    o, final = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta, s0, layout)
+    o_zero, q_eff, trans, offset = block_transition(l2norm(q), l2norm(k), v, g, beta, layout)
+    affine = o_zero + state_outputs(q_eff, s0, layout)
+    assert not o[sum(lens):].any() and torch.equal(final[1], s0[1])
+    start = 0
+    for i, n in enumerate(lens):
+        if not n:
+            continue
+        rows_i = slice(start, start + n)
+        o_hf, final_hf = torch_chunk_gated_delta_rule(
+            q[None, rows_i], k[None, rows_i], v[None, rows_i], g=g[None, rows_i],
+            beta=beta[None, rows_i], initial_state=s0[i:i + 1], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        assert rel_err(o[rows_i], o_hf[0]) <= 1e-5 and rel_err(final[i], final_hf[0]) <= 1e-5
+        assert rel_err(affine[rows_i], o_hf[0]) <= 1e-5
+        assert rel_err(trans[i] @ s0[i] + offset[i], final_hf[0]) <= 1e-5
+        start += n
 
-    channels, kernel = 6, 4
+    channels, kernel, lens = 6, 4, [9, 2]
     weight = torch.randn(channels, kernel, generator=gen)
-    x = torch.randn(1, 9, channels, generator=gen)
-    window = torch.randn(1, kernel - 1, channels, generator=gen)
-    state = torch.cat([torch.zeros(1, channels, 1), window.transpose(1, 2)], -1)   # HF keeps K
-    ref = causal_conv1d_update(x.transpose(1, 2), state, weight, None, "silu").transpose(1, 2)
-    out, new_window = causal_conv(x, window, weight, torch.tensor([9]))
-    assert rel_err(out, ref) <= 1e-6
-    assert torch.equal(new_window, x[:, -(kernel - 1):])
+    x = torch.randn(sum(lens) + 1, channels, generator=gen)
+    window = torch.randn(2, kernel - 1, channels, generator=gen)
+    out, new_window = causal_conv(x, window, weight, torch.tensor(lens))
+    for i, (first, n) in enumerate(((0, 9), (9, 2))):
+        state = torch.cat([torch.zeros(channels, 1), window[i].t()], -1)[None]   # HF keeps K
+        mine = x[None, first:first + n].transpose(1, 2)
+        ref = causal_conv1d_update(mine, state, weight, None, "silu").transpose(1, 2)[0]
+        assert rel_err(out[first:first + n], ref) <= 1e-6
+        assert torch.equal(new_window[i], torch.cat([window[i], x[first:first + n]])[-3:])
+    assert not out[-1].any()
 
 
 def test_linear_op_graph_equals_eager(hybrid_dir):
@@ -191,7 +207,7 @@ def test_linear_op_graph_equals_eager(hybrid_dir):
 
     def make_op() -> LocalLinearAttention:
         return LocalLinearAttention(RequestStates(pool, state_in, state_out), block_lens,
-                                    token_index, valid, rows)
+                                    token_index, valid)
 
     layout([(20, 20), (15, 15), (0, 0)])
     tensors = [pool.part(0, "conv"), pool.part(0, "recurrent")]

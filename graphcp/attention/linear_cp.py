@@ -28,10 +28,10 @@ import torch
 
 from graphcp.attention.context import AttentionContext
 from graphcp.attention.linear_op import (LocalLinearAttention, RequestStates, SequenceMixer,
-                                         mixer_inputs, static_max)
+                                         chunk_layout)
 from graphcp.dist.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
-from graphcp.models.delta_rule import block_transition, causal_conv, unpack
+from graphcp.models.delta_rule import block_transition, causal_conv, last_inputs, state_outputs
 
 
 def gathered_index(block_lens: torch.Tensor) -> torch.Tensor:
@@ -77,8 +77,7 @@ def scan_states(state: torch.Tensor, trans: torch.Tensor, offset: torch.Tensor
 
 class ZigzagLinearAttention:
     """The op for a zigzag batch: ``block_lens`` [R, 2C] each request's blocks in sequence order,
-    the same on every rank (``CPMetadata.block_lens``); ``capacity``: this rank's rows
-    (``static_max``).
+    the same on every rank (``CPMetadata.block_lens``); ``capacity``: this rank's rows.
     Counts its exchanges and the bytes this rank receives (inside the collective's break, so graph
     replays count too)."""
 
@@ -86,7 +85,7 @@ class ZigzagLinearAttention:
                  capacity: int) -> None:
         self.states, self.block_lens, self.comm = states, block_lens, comm
         self.lens = self.local_lens(comm.rank)
-        self.max_len = static_max(self.lens, capacity)
+        self.layout = chunk_layout(self.lens, capacity)
         self.index = gathered_index(block_lens)          # depends on R and C only
         self.num_exchanges = 0
         self.bytes_received = 0
@@ -107,23 +106,19 @@ class ZigzagLinearAttention:
         rank, lens = self.comm.rank, self.lens
         late = 2 * self.comm.size - 1 - rank
         window, state = self.states.read(layer_id)
-        x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, self.max_len)
-        width = window.shape[1]
-        # Each local block's last K-1 inputs, right-aligned: rows len-K+1 .. len-1 (zeros before 0).
-        rows = lens[:, None] + torch.arange(width, device=x.device)       # into [zeros, x]
-        tails = torch.cat([x.new_zeros(x.shape[0], width, x.shape[2]), x], 1)
-        tails = tails.gather(1, rows[..., None].expand(-1, -1, x.shape[2]))
+        # Each local block's last K-1 inputs, right-aligned (zeros before a shorter block's).
+        tails = last_inputs(mixed_qkv, window.new_zeros((lens.shape[0],) + window.shape[1:]), lens)
         entering, final_window = scan_windows(window, self._gather(tails), self.block_lens)
         mine = torch.cat([entering[:, rank], entering[:, late]])         # local row order
-        conv_out, _ = causal_conv(x, mine, mixer.conv_weight, lens)
-        o_zero, q_eff, trans, offset = block_transition(*mixer.heads(conv_out), g, beta)
+        conv_out, _ = causal_conv(mixed_qkv, mine, mixer.conv_weight, lens)
+        q, k, v = (t[0] for t in mixer.heads(conv_out[None]))
+        o_zero, q_eff, trans, offset = block_transition(q, k, v, g, beta, self.layout)
         dv = offset.shape[-1]
         maps = self._gather(torch.cat([trans, offset], -1))              # one exchange for both
         starts, final_state = scan_states(state, maps[..., :-dv], maps[..., -dv:])
         start = torch.cat([starts[:, rank], starts[:, late]])
-        o = o_zero + torch.einsum("sthk,shkv->sthv", q_eff, start)
         self.states.write(layer_id, final_window, final_state)
-        return unpack(o, lens, mixed_qkv.shape[0])
+        return o_zero + state_outputs(q_eff, start, self.layout)
 
 
 def _exchange(op: ZigzagLinearAttention, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -151,5 +146,4 @@ def linear_attention(ctx: AttentionContext) -> LocalLinearAttention | ZigzagLine
     states = RequestStates(ctx.pool.states, meta.state_in, meta.state_out)
     if meta.cp_size > 1:
         return ZigzagLinearAttention(states, meta.block_lens, ctx.comm, meta.local_cap)
-    return LocalLinearAttention(states, meta.block_lens, meta.token_index, meta.valid,
-                                meta.local_cap)
+    return LocalLinearAttention(states, meta.block_lens, meta.token_index, meta.valid)

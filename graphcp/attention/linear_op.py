@@ -8,9 +8,9 @@ A Gated DeltaNet layer calls the forward context's attention op as every layer d
 dimension (states, conv window, CP hand-off), the layer its projections and heads
 (``SequenceMixer``).
 
-Every step is a tensor op on device lengths with a static ``max_len`` (the batch's longest, read
-once per eager forward; the local capacity in a graph), so the op can sit inside a captured graph
-segment; only the CP collectives are breaks where they cannot be captured.
+Every step is a tensor op on device lengths with static sizes (``chunk_layout``: the batch's chunk
+count, read once per eager forward; a bound from the local capacity in a graph), so the op can sit
+inside a captured graph segment; only the CP collectives are breaks where they cannot be captured.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from graphcp.graph.protocol import capture_active
 from graphcp.kv.states import NO_STATE, StatePool
-from graphcp.models.delta_rule import causal_conv, gated_delta_rule, pack, unpack
+from graphcp.models.delta_rule import ChunkLayout, causal_conv, chunk_count, gated_delta_rule
 
 CONV, RECURRENT = "conv", "recurrent"      # a linear layer's per-request parts (attention/kinds.py)
 
@@ -61,32 +61,23 @@ class RequestStates:
         recurrent.index_copy_(0, self.state_out, state.to(recurrent.dtype))
 
 
-def static_max(lens: torch.Tensor, capacity: int) -> int:
-    """The padded sequence length of one forward: the batch's longest eagerly (one host read per
-    forward), the local capacity in a graph (a captured segment reads no host value)."""
-    if capture_active():
-        return max(capacity, 1)
-    return max(int(lens.max()), 1) if lens.numel() else 1
-
-
-def mixer_inputs(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lens: torch.Tensor,
-                 max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Consecutive sequences of rows -> padded [S, max_len, ...]; padded steps get g = beta = 0,
-    the identity step."""
-    return pack(mixed_qkv, lens, max_len), pack(g, lens, max_len), pack(beta, lens, max_len)
+def chunk_layout(lens: torch.Tensor, rows: int) -> ChunkLayout:
+    """The chunks of one forward's sequences: as many as the batch needs eagerly (one host read per
+    forward), the bound for any lengths that fit the ``rows`` in a graph (a captured segment reads
+    no host value)."""
+    return ChunkLayout(lens, rows, chunk_count(lens, rows, static=capture_active()))
 
 
 def run_sequences(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  mixer: SequenceMixer, lens: torch.Tensor, max_len: int, window: torch.Tensor,
+                  mixer: SequenceMixer, layout: ChunkLayout, window: torch.Tensor,
                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows [N, ...] made of consecutive sequences of ``lens`` (rows past their sum are padding),
-    each started from its ``window`` [S, K-1, C] and ``state`` [S, Hv, dk, dv]. Returns (outputs
-    [N, Hv, dv] fp32, zeros on padding rows; final windows; final states)."""
-    x, g, beta = mixer_inputs(mixed_qkv, g, beta, lens, max_len)
-    conv_out, window = causal_conv(x, window, mixer.conv_weight, lens)
-    q, k, v = mixer.heads(conv_out)
-    o, state = gated_delta_rule(q, k, v, g, beta, state)
-    return unpack(o, lens, mixed_qkv.shape[0]), window, state
+    """Rows [N, ...] made of consecutive sequences of ``layout.lens`` (rows past their sum are
+    padding), each started from its ``window`` [S, K-1, C] and ``state`` [S, Hv, dk, dv]. Returns
+    (outputs [N, Hv, dv] fp32, zeros on padding rows; final windows; final states)."""
+    conv_out, window = causal_conv(mixed_qkv, window, mixer.conv_weight, layout.lens)
+    q, k, v = (t[0] for t in mixer.heads(conv_out[None]))
+    o, state = gated_delta_rule(q, k, v, g, beta, state, layout)
+    return o, window, state
 
 
 class LocalLinearAttention:
@@ -95,13 +86,13 @@ class LocalLinearAttention:
     rows), as a one-rank zigzag holds every request's early half, then every late half."""
 
     def __init__(self, states: RequestStates, block_lens: torch.Tensor, token_index: torch.Tensor,
-                 valid: torch.Tensor, capacity: int) -> None:
+                 valid: torch.Tensor) -> None:
         """From the layout's blocks ([R, blocks]) and each local row's new-token index and validity
-        (``CPMetadata``); ``capacity``: the local rows (``static_max``)."""
-        self.states, self.lens = states, block_lens.sum(1)
-        key = torch.where(valid > 0, token_index, token_index.shape[0] + self.lens.sum())
+        (``CPMetadata``)."""
+        self.states, lens = states, block_lens.sum(1)
+        key = torch.where(valid > 0, token_index, token_index.shape[0] + lens.sum())
         self.order = torch.argsort(key, stable=True)
-        self.max_len = static_max(self.lens, capacity)
+        self.layout = chunk_layout(lens, token_index.shape[0])
 
     def __call__(self, layer_id: int, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  mixer: SequenceMixer) -> torch.Tensor:
@@ -109,6 +100,6 @@ class LocalLinearAttention:
         [T, Hv] -> the delta rule's output [T, Hv, dv], fp32 (zeros on padding rows)."""
         window, state = self.states.read(layer_id)
         rows = [t.index_select(0, self.order) for t in (mixed_qkv, g, beta)]
-        out, window, state = run_sequences(*rows, mixer, self.lens, self.max_len, window, state)
+        out, window, state = run_sequences(*rows, mixer, self.layout, window, state)
         self.states.write(layer_id, window, state)
         return torch.empty_like(out).index_copy_(0, self.order, out)
