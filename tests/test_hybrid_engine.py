@@ -17,6 +17,7 @@ from conftest import cp_kwargs
 from hybrid_reference import HybridHF, make_hybrid_checkpoint, rel_err
 
 from graphcp import Request, RequestError
+from graphcp.models import read_model_config
 
 TOL = 1e-4
 LENGTHS = {"a": 190, "b": 57, "c": 63}
@@ -86,7 +87,12 @@ def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list
         worst = max(worst, _check_caches(engine, rid, reference(path, TOKENS[rid]), rid))
     stats = engine.stats()
     assert stats["state_slots_free"] == free - len(LENGTHS)
-    assert stats["state_bytes"] >= stats["state_slots_total"] * stats["state_bytes_per_request"] > 0
+    h = read_model_config(path).hybrid                # fp32: conv window and delta state, 4 bytes
+    per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
+    assert stats["state_bytes_per_request"] == len(h.linear_layers) * per_layer
+    assert stats["state_slots_total"] == 4           # --max-state-requests 2 + 2 spare
+    assert stats["state_bytes"] == (4 + 1) * stats["state_bytes_per_request"]   # + the dummy slot
+    assert stats["state_bytes_per_rank"] == [stats["state_bytes"]] * len(stats["kv_bytes_per_rank"])
     for rid in LENGTHS:
         engine.release(rid)
     assert engine.stats()["state_slots_free"] == free
