@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.graphcp-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test bench profile soak gpu-check clean pd-system-libs
+.PHONY: setup demo test test-fast bench profile soak gpu-check clean pd-system-libs
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory pd-system-libs
@@ -41,6 +41,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+# For iteration (under 3 minutes): the unit tests, the layouts, and one single-rank engine per family
+# against HF. Run `make test` (the CI command) before you commit.
+FAST := tests/test_architecture.py tests/test_layout.py tests/test_planner.py tests/test_layer_split.py \
+	tests/test_rope.py tests/test_config_fields.py tests/test_gpu_check.py tests/test_flashinfer_args.py \
+	tests/test_cuda_semantics.py tests/test_rank_faults.py tests/test_parity_single.py tests/test_errors.py \
+	tests/test_dsa.py::test_single_rank_matches_hf tests/test_moe.py::test_single_rank_matches_hf
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(FAST) \
+	    --deselect tests/test_cuda_semantics.py::test_one_rank_capture_failure_keeps_collectives_matched
 
 bench: $(STAMP)
 	$(PY) -m graphcp bench

@@ -68,28 +68,37 @@ def _token_tensor(rid: str, ids: object) -> torch.Tensor:
     return tokens
 
 
-def validate_requests(requests: Sequence[Request], vocab_size: int) -> tuple[list[str], list[torch.Tensor]]:
-    """Check a batch before anything is written; raise RequestError naming the first bad request."""
+def validate_requests(requests: Sequence[Request],
+                      vocab_size: int) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
+    """Check a batch before anything is written; raise RequestError naming the first bad request.
+    Returns the rids, each request's ids, and all of them concatenated (the descriptors copy that)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
-    rids, ids, seen = [], [], set()
+    rids, ids = [], []
     for req in requests:
-        if not isinstance(req, Request):
+        if type(req) is not Request and not isinstance(req, Request):
             raise RequestError(f"batch item {req!r} is not a graphcp.Request")
-        rid = req.rid
-        if not isinstance(rid, str) or not rid:
-            raise RequestError(f"request {rid!r}: rid must be a non-empty string")
-        if rid in seen:
-            raise RequestError(f"request {rid!r} appears twice in one batch")
-        seen.add(rid)
+        rid, tokens = req.rid, req.input_ids
+        if type(rid) is not str or not rid:
+            if not isinstance(rid, str) or not rid:
+                raise RequestError(f"request {rid!r}: rid must be a non-empty string")
         rids.append(rid)
-        ids.append(_token_tensor(rid, req.input_ids))
+        # The serving path inline: a flat int64 CPU tensor is taken as it is.
+        if not (type(tokens) is torch.Tensor and tokens.dtype is torch.int64 and tokens.dim() == 1
+                and tokens.numel() and not tokens.is_cuda and not tokens.requires_grad):
+            tokens = _token_tensor(rid, tokens)
+        ids.append(tokens)
+    if len(set(rids)) != len(rids):
+        seen: set[str] = set()
+        rid = next(r for r in rids if r in seen or seen.add(r))
+        raise RequestError(f"request {rid!r} appears twice in one batch")
     # One range check for the whole batch; the per-request search runs only when it fails.
     every = torch.cat(ids)
-    if int(every.min()) < 0 or int(every.max()) >= vocab_size:
+    lo, hi = torch.aminmax(every)
+    if int(lo) < 0 or int(hi) >= vocab_size:
         for rid, tokens in zip(rids, ids):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= vocab_size:
                 bad = lo if lo < 0 else hi
                 raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return rids, ids
+    return rids, ids, every

@@ -25,6 +25,7 @@ class BatchInputs:
     page_rows: list                       # per request, its page ids (int64 arrays)
     ids: list[torch.Tensor]             # per request, its new token ids
     whole_on: list[int] | None = None     # adaptive CP placement (see cp/adaptive.py)
+    flat_ids: torch.Tensor | None = None  # ``ids`` concatenated already (one copy instead of a cat)
     state_in: list[int] | None = None     # per-request state slot each request reads (0: none)
     state_out: list[int] | None = None    # the slot its new state is written to (kv/pages.py)
 
@@ -58,10 +59,11 @@ class Descriptors:
 
     def set(self, batch: BatchInputs) -> None:
         self.fill(batch.extend_lens, batch.prefix_lens, batch.page_rows, batch.ids, batch.whole_on,
-                  (batch.state_in, batch.state_out))
+                  batch.flat_ids, (batch.state_in, batch.state_out))
 
     def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
              ids: list[torch.Tensor], whole_on: list[int] | None = None,
+             flat_ids: torch.Tensor | None = None,
              states: tuple[list[int] | None, list[int] | None] = (None, None)) -> None:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
         No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
@@ -80,8 +82,10 @@ class Descriptors:
             table = self.page_table.numpy()
             used = np.arange(table.shape[1])[None, :] < widths[:, None]
             table[:len(page_rows)][used] = np.concatenate(page_rows)      # rows are int64 arrays
-        total = sum(t.numel() for t in ids)
-        torch.cat(ids, out=self.input_ids[:total])
+        if flat_ids is not None:
+            np.copyto(self.input_ids.numpy()[:flat_ids.numel()], flat_ids.numpy())
+        else:
+            torch.cat(ids, out=self.input_ids[:sum(t.numel() for t in ids)])
 
 
 @dataclass

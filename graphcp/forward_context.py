@@ -39,16 +39,25 @@ class _SameLayout:
 class MoECommunicator(Protocol):
     """Brings this rank's rows to their experts and the experts' outputs back (graphcp/dist/moe_comm.py)."""
 
-    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable,
+            row_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, H] -> sum over each row's routed experts, [rows, H]. ``router(x) -> (weights, ids)``;
-        ``experts(x, ids, weights)`` sums this rank's experts' weighted outputs."""
+        ``experts(x, ids, weights)`` sums this rank's experts' weighted outputs. ``row_ids``
+        [rows]: an integer per row (e.g. its token id) that travels with the rows; the router is
+        then called ``router(rows, their row_ids)``."""
+
+
+def route(router: Callable, x: torch.Tensor, row_ids: torch.Tensor | None) -> tuple:
+    """``router`` on rows ``x`` (with their ``row_ids`` where the block gave them)."""
+    return router(x) if row_ids is None else router(x, row_ids)
 
 
 class _LocalExperts:
     """One rank holds every expert: route and run in place."""
 
-    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
-        weights, ids = router(x)
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable,
+            row_ids: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = route(router, x, row_ids)
         return experts(x, ids, weights)
 
 

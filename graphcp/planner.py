@@ -58,6 +58,7 @@ class BatchPlan:
     dp_groups: list[int]         # DP group of every request of the batch
     all_rids: list[str] = field(default_factory=list)
     all_extend_lens: list[int] = field(default_factory=list)
+    flat_ids: torch.Tensor | None = None   # ``ids`` concatenated, when validation made it already
 
     @property
     def strategy(self) -> ContextParallelStrategy:
@@ -83,7 +84,7 @@ class BatchPlan:
             return BatchInputs([0], [0], [[]], [torch.zeros(0, dtype=torch.long)])
         state_in, state_out = state_rows or (None, None)
         return BatchInputs(self.extend_lens, self.prefix_lens, page_rows, self.ids, self.layout.whole_on,
-                           state_in, state_out)
+                           self.flat_ids, state_in, state_out)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Planner:
     def plan(self, requests: Sequence[Request], force_eager: bool = False, graph_reason: str | None = None,
              buckets: Sequence[int] = (), failures: dict[int, str] | None = None) -> BatchPlan:
         """Validate and place a batch; raises RequestError (changing nothing) when it cannot run."""
-        all_rids, all_ids = validate_requests(requests, self.vocab_size)
+        all_rids, all_ids, flat = validate_requests(requests, self.vocab_size)
         all_ext = [t.numel() for t in all_ids]
         groups = self.assign_dp(all_rids, all_ext)
         if len(self.dp_pages) == 1:
@@ -131,6 +132,7 @@ class Planner:
             indices = [i for i, d in enumerate(groups) if d == self.dp_rank]
             rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
             ext = [all_ext[i] for i in indices]
+            flat = None               # this group's ids are a subset: the descriptors concatenate them
         prefix = [self.pages.prefix_len(r) for r in rids]
         layout = self.strategy.plan(ext, prefix, self.cp_rank)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
@@ -152,7 +154,7 @@ class Planner:
             else:
                 real = max(layout.per_rank_tokens)
                 bucket, reason = select_bucket(list(buckets), real, layout.strategy.aligned(real), failures)
-        return BatchPlan(rids, ids, ext, prefix, layout, bucket, reason, indices, groups, all_rids, all_ext)
+        return BatchPlan(rids, ids, ext, prefix, layout, bucket, reason, indices, groups, all_rids, all_ext, flat)
 
     # -- pages -----------------------------------------------------------------------------------
     def allocate(self, plan: BatchPlan) -> PageTransaction:

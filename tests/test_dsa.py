@@ -170,12 +170,16 @@ def test_dsa_flags(v32):
     check_dsa_flags(EngineArgs(model_path=v32, tp_size=2, attn_cp_size=2, **INTERLEAVE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_match_torch(dtype):
+@pytest.mark.parametrize("dtype,wide", [(torch.float32, False), (torch.bfloat16, False),
+                                        (torch.bfloat16, True)])
+def test_triton_kernels_match_torch(monkeypatch, dtype, wide):
     """Indexer scores and sparse MLA in Triton's interpreter against the torch reference: rows with
-    few visible keys, one without any (padding), slots scattered over the pool."""
+    few visible keys, one without any (padding), slots scattered over the pool. ``wide``: the int64
+    addressing of pools of 2**31 elements or more (forced)."""
     from graphcp.kernels import dsa_torch
     from graphcp.kernels import triton_dsa
+    if wide:
+        monkeypatch.setattr(triton_dsa, "needs_int64", lambda *tensors: True)
     gen = torch.Generator().manual_seed(0)
     rows, heads, dim, keys, pool = 5, 16, 32, 40, 64
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
@@ -191,7 +195,7 @@ def test_triton_kernels_match_torch(dtype):
     selected, shown = dsa_torch.select_topk(want, slots, row_seq, limits, TOPK)
     assert torch.equal(selected[1, :3].sort().values, slots[1, :3].sort().values)   # all it sees
     assert shown.sum(1).tolist() == [TOPK, 3, TOPK, 0, TOPK]
-    q_mla = torch.randn(rows, 4, 48, generator=gen).to(dtype)
+    q_mla = torch.randn(rows, 20, 48, generator=gen).to(dtype)    # 20 heads: a 32-head block
     kv = torch.randn(pool, 48, generator=gen).to(dtype)
     want = dsa_torch.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
     got = triton_dsa.sparse_mla(q_mla, kv, selected, shown, 0.2, 32).float()
@@ -307,8 +311,8 @@ def test_fp8_checkpoint_matches_hf_on_dequantized_weights(v32, engines, dsa_orac
 def test_row_chunks_match_hf(engines, dsa_oracle, v32, monkeypatch):
     """Long prompts score and attend their query rows in chunks; tiny chunks give the same
     result."""
-    import graphcp.attention.dsa as dsa
-    monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 4096)     # a few rows per chunk at these sizes
+    from graphcp.kernels import dsa_torch
+    monkeypatch.setattr(dsa_torch, "CHUNK_ELEMENTS", 4096)     # a few rows per chunk at these sizes
     _check(engines.get(v32), dsa_oracle, v32, [FIRST[:1]])
 
 
@@ -351,3 +355,14 @@ def test_index_share_by_schedule_matches_hf(engines, dsa_oracle, ckpt_dir):
     assert raw["index_topk_freq"] == 2 and raw["index_skip_topk_offset"] == 2
     json.dump(raw, open(cfg_path, "w"))
     _check(engines.get(path), dsa_oracle, path, [FIRST[:1], SECOND[:1]])
+
+
+def test_row_chunks_follow_the_kernel():
+    """The torch forms gather [rows, keys, width]; the Triton kernels hold [rows, keys] at most, so
+    at 32K keys they take 512 rows a call where the torch form takes 4 (128x fewer launches)."""
+    from graphcp.kernels import dsa_torch, triton_dsa
+    keys, index_dim, width, topk = 32768, 128, 576, 2048
+    assert dsa_torch.row_chunk(keys, index_dim) == 4
+    assert triton_dsa.row_chunk(keys, index_dim) == 512
+    assert triton_dsa.row_chunk(topk, width) * topk <= dsa_torch.CHUNK_ELEMENTS
+    assert dsa_torch.row_chunk(topk, width) * topk * width <= dsa_torch.CHUNK_ELEMENTS

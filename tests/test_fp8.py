@@ -109,12 +109,13 @@ def _check_gemm(
 
 def test_triton_gemm_partial_blocks_and_offsets():
     """The real 128x128 blocks: N=192 (a partial row block), K=256 read from a column shard that
-    starts 80 into a block (partial K blocks at both ends), M from 5 to 33; and small blocks with a
-    partial K block."""
+    starts 80 into a block (partial K blocks at both ends), M from 5 to 70 (every row tile of
+    ``gemm_tiles``: 16, 32, 64, 128); and small blocks with a partial K block."""
     gen = torch.Generator().manual_seed(0)
     for m, n, k, offset, block in (
         (5, 192, 256, 0, (128, 128)),
         (33, 192, 256, 80, (128, 128)),
+        (70, 192, 256, 80, (128, 128)),
         (17, 96, 200, 4, (16, 32)),
     ):
         whole = torch.randn(n, k + offset, generator=gen)

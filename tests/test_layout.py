@@ -101,3 +101,30 @@ def test_metadata_moves_in_one_packed_copy():
             assert got.data_ptr() != value.data_ptr(), f"{name} must live in the packed buffer"
         else:
             assert got == value
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, st.sampled_from(["zigzag", "interleave"]))
+def test_build_layout_is_the_layout_the_forward_runs(batch, strategy):
+    """The numpy layout users read equals the tensor metadata the engine builds in its forward."""
+    import torch
+
+    from graphcp.cp.strategy import make_strategy
+    c, reqs = batch
+    ext, pre = [e for e, _ in reqs], [p for _, p in reqs]
+    strat = make_strategy(strategy, c)
+    cap = max(strat.per_rank_tokens(ext)) or 1
+    lens, prefix = torch.tensor(ext), torch.tensor(pre)
+    pages = torch.zeros(len(ext), max(1, max(p + e for p, e in zip(pre, ext))), dtype=torch.long)
+    for r in range(c):
+        lay = build_layout(strategy, c, r, ext, pre)
+        meta = strat.metadata(lens, prefix, pages, r, cap, page_size=1)
+        valid = meta.valid.bool()
+        assert lay.local_indices == meta.token_index[valid].tolist()
+        if strategy == "zigzag":
+            n = len(ext)
+            assert lay.q_lens_early + lay.q_lens_late == meta.q_lens.tolist()
+            assert lay.kv_lens_early + lay.kv_lens_late == meta.kv_lens.tolist()
+            assert n == meta.early_sequences
+        else:
+            assert lay.kv_lens == meta.q_limits[valid].tolist()

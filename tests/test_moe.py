@@ -168,7 +168,8 @@ def test_each_rank_loads_only_its_experts(moe6):
         assert torch.equal(experts.down_proj[5], tensor(5, "down_proj")[:, 24:])
 
 
-def test_triton_grouped_experts_match_torch_form():
+@pytest.mark.parametrize("block_m", [None, 32, 64])          # None: moe_row_tile's choice (16)
+def test_triton_grouped_experts_match_torch_form(block_m):
     from graphcp.kernels.triton_moe import triton_experts
     g = torch.Generator().manual_seed(0)
     rows, hidden, inter, k = 21, 32, 24, 3
@@ -179,7 +180,7 @@ def test_triton_grouped_experts_match_torch_form():
     gate_up = torch.randn(3, 2 * inter, hidden, generator=g) * 0.1
     down = torch.randn(3, hidden, inter, generator=g) * 0.1
     for first in (0, 3):        # this rank holds experts 0..2, then 3..5: other pairs add nothing
-        got = triton_experts(x, ids, weights, gate_up, down, first)
+        got = triton_experts(x, ids, weights, gate_up, down, first, block_m=block_m)
         want = _experts_torch(x, ids, weights, gate_up, down, first)
         assert want.abs().max() > 0 and rel_err(got, want) <= 1e-5
 

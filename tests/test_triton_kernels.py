@@ -238,3 +238,13 @@ def test_start_probe(monkeypatch):
     assert resolve_kernel("auto", cuda, torch.bfloat16, 64, heads=(4, 2)) == "torch"
     with pytest.raises(ConfigError, match="--attention-kernel triton failed its first call .*ptxas"):
         resolve_kernel("triton", cuda, torch.bfloat16, 64, heads=(4, 2))
+
+
+def test_explicit_triton_with_an_unsupported_head_dim_is_a_config_error():
+    """As the README promises: an explicit --attention-kernel triton that cannot serve the model's
+    head_dim is refused naming the flag, never silently replaced by the torch kernel."""
+    from graphcp.errors import ConfigError
+    from graphcp.kernels.resolve import resolve_kernel
+    with pytest.raises(ConfigError, match=r"--attention-kernel triton supports head_dim \(64, 128\), the model has 96"):
+        resolve_kernel("triton", torch.device("cpu"), torch.float32, 96)
+    assert resolve_kernel("auto", torch.device("cpu"), torch.float32, 96) == "torch"

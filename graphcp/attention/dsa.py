@@ -16,10 +16,6 @@ from graphcp.kernels.dsa_torch import key_slots, select_topk
 from graphcp.models.dsa_rope import softmax_scale
 from graphcp.profiling import nvtx_range
 
-# Query rows run in chunks whose per-chunk intermediates (indexer scores [rows, keys], the torch
-# forms' gathered keys and selected rows) hold at most this many elements.
-CHUNK_ELEMENTS = 2**24
-
 
 class DSAAttention:
     def __init__(self, ctx: AttentionContext) -> None:
@@ -32,8 +28,9 @@ class DSAAttention:
         self.row_seq = seq.clamp(max=meta.page_rows.shape[0] - 1)
         self.seq_slots = key_slots(meta.page_rows, self.pool.page_size)    # [S, K] each sequence's keys
         keys, width = self.seq_slots.shape[1], d.kv_lora_rank + d.qk_rope_head_dim
-        self.score_chunk = max(1, CHUNK_ELEMENTS // (keys * d.index_head_dim))
-        self.attend_chunk = max(1, CHUNK_ELEMENTS // (min(keys, self.topk) * width))
+        # Query rows in chunks sized by the kernel in use (its largest per-chunk intermediate).
+        self.score_chunk = self.kernels.row_chunk(keys, d.index_head_dim)
+        self.attend_chunk = self.kernels.row_chunk(min(keys, self.topk), width)
         self.selected: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

@@ -10,6 +10,9 @@ from typing import Callable
 
 import torch
 
+from graphcp.attention.deepseek_v4 import GRAPH_REASON as V4_REASON
+from graphcp.attention.deepseek_v4 import (V4CSAAttention, V4HCAAttention, V4SlidingAttention,
+                                           v4_export, v4_parts)
 from graphcp.attention.dsa import DSAAttention
 from graphcp.attention.linear_cp import linear_attention
 from graphcp.attention.linear_op import CONV, RECURRENT
@@ -75,6 +78,13 @@ KINDS = {
     "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
                      "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)"),
+    # DeepSeek V4 (attention/deepseek_v4.py): one kind per layer type, one PD kind for all three
+    "deepseek_v4_sliding": LayerKind("deepseek_v4_sliding", V4SlidingAttention, v4_parts,
+                                     v4_export, "deepseek_v4", (), V4_REASON),
+    "deepseek_v4_hca": LayerKind("deepseek_v4_hca", V4HCAAttention, v4_parts, v4_export,
+                                 "deepseek_v4", (), V4_REASON),
+    "deepseek_v4_csa": LayerKind("deepseek_v4_csa", V4CSAAttention, v4_parts, v4_export,
+                                 "deepseek_v4", ("dsa",), V4_REASON),
     "gated_deltanet": LayerKind("gated_deltanet", linear_attention, lambda cfg, layer, tp: (),
                                 _linear_export, "gated_deltanet", (), state=_linear_state),
 }

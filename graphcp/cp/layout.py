@@ -1,12 +1,14 @@
 """build_layout: the pure, host-side view of a CP layout, for users and tests.
 
-It runs the same tensor code as the engine's forward, so the layout users read is the layout that runs.
+It computes the layout of SPEC section 3 with numpy (a serving loop may call it per batch); a property
+test holds it equal to the tensor metadata the engine's forward builds (``cp/metadata.py``), so the layout
+users read is the layout that runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from graphcp.cp.strategy import make_strategy
 
@@ -26,6 +28,15 @@ class CPLayout:
     kv_lens: list[int] = field(default_factory=list)
 
 
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """concat(arange(s, s + n) for s, n in zip(starts, lens)), without a Python loop."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    first = np.cumsum(lens) - lens                       # where each range starts in the output
+    return np.repeat(starts - first, lens) + np.arange(total)
+
+
 def build_layout(strategy: str, cp_size: int, rank: int, extend_lens: list[int],
                  prefix_lens: list[int] | None = None) -> CPLayout:
     if not 0 <= rank < cp_size:
@@ -36,22 +47,22 @@ def build_layout(strategy: str, cp_size: int, rank: int, extend_lens: list[int],
         raise ValueError("extend_lens and prefix_lens must be equally long lists of non-negative lengths")
     strat = make_strategy(strategy, cp_size)
     counts = strat.per_rank_tokens(extend_lens) if extend_lens else [0] * cp_size
-    cap = max(counts) if extend_lens else 0
-    n_req = len(extend_lens)
-    ext = torch.tensor(extend_lens, dtype=torch.long)
-    pre = torch.tensor(prefix_lens, dtype=torch.long)
-    pages = torch.zeros(max(n_req, 1), max(1, max((p + e for p, e in zip(prefix_lens, extend_lens)), default=1)),
-                        dtype=torch.long)[:n_req]
-    if n_req == 0:
+    if not extend_lens:
         return CPLayout(strategy, cp_size, rank, [], counts)
-    meta = strat.metadata(ext, pre, pages, rank, cap, page_size=1)
-    valid = meta.valid.bool()
-    layout = CPLayout(strategy, cp_size, rank, meta.token_index[valid].tolist(), counts)
+    ext, pre = np.asarray(extend_lens, dtype=np.int64), np.asarray(prefix_lens, dtype=np.int64)
+    offsets = np.cumsum(ext) - ext                       # each request's first flat index
     if strategy == "zigzag":
-        layout.q_lens_early, layout.q_lens_late = meta.q_lens[:n_req].tolist(), meta.q_lens[n_req:].tolist()
-        layout.kv_lens_early, layout.kv_lens_late = meta.kv_lens[:n_req].tolist(), meta.kv_lens[n_req:].tolist()
-    else:
-        seq_of_row = torch.searchsorted(meta.cu_seqlens_q[1:], torch.arange(cap), right=True)
-        layout.requests = seq_of_row[valid].tolist()
-        layout.kv_lens = meta.q_limits[valid].tolist()
-    return layout
+        nblk = 2 * cp_size
+        blk = ext[:, None] // nblk + (np.arange(nblk)[None, :] < (ext % nblk)[:, None])     # [R, 2C]
+        end = np.cumsum(blk, axis=1)
+        early, late = rank, nblk - 1 - rank
+        q_early, q_late = blk[:, early], blk[:, late]
+        local = np.concatenate([_ranges(offsets + end[:, early] - q_early, q_early),
+                                _ranges(offsets + end[:, late] - q_late, q_late)])
+        return CPLayout(strategy, cp_size, rank, local.tolist(), counts, q_early.tolist(), q_late.tolist(),
+                        (pre + end[:, early]).tolist(), (pre + end[:, late]).tolist())
+    local = np.arange(rank, int(ext.sum()), cp_size)
+    requests = np.searchsorted(np.cumsum(ext), local, side="right")
+    kv_lens = pre[requests] + (local - offsets[requests]) + 1
+    return CPLayout(strategy, cp_size, rank, local.tolist(), counts, requests=requests.tolist(),
+                    kv_lens=kv_lens.tolist())

@@ -74,7 +74,7 @@ class ContextParallelStrategy:
         return None
 
     def applies(self, extend_lens: list[int]) -> bool:
-        return all(n >= self.min_request_len for n in extend_lens)
+        return min(extend_lens) >= self.min_request_len
 
     def unsharded_reason(self) -> str:
         return f"{self.name} needs every request to have >= {self.min_request_len} new tokens"
@@ -88,8 +88,8 @@ class ContextParallelStrategy:
     def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
         """The live batch's host-side maxima that kernels run in a graph break need (``rank`` is the CP
         rank; a batch that runs unsharded uses this one-rank strategy, where every rank is rank 0)."""
-        return HostMaxima(max_q=max((-(-n // self.cp_size) for n in extend_lens), default=0),
-                          max_kv=max((p + n for p, n in zip(prefix_lens, extend_lens)), default=0))
+        return HostMaxima(max_q=-(-max(extend_lens, default=0) // self.cp_size),
+                          max_kv=max(map(int.__add__, prefix_lens, extend_lens), default=0))
 
     def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
                  rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None) -> CPMetadata:
@@ -156,7 +156,7 @@ class ZigzagStrategy(ContextParallelStrategy):
     def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
         c2, rank = 2 * self.cp_size, rank % self.cp_size     # an unsharded batch runs as rank 0 of 1
         host = super().host_maxima(extend_lens, prefix_lens, rank)
-        host.max_q = max((-(-n // c2) for n in extend_lens), default=0)
+        host.max_q = -(-max(extend_lens, default=0) // c2)
         host.early_rows = sum(n // c2 + (rank < n % c2) for n in extend_lens)
         return host
 

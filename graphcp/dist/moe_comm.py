@@ -13,6 +13,10 @@ ep)`` hold experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``), each expert 
   per-destination counts), runs its experts, and returns the outputs with a second all-to-all; the
   sender applies the routing weights.
 
+A block may give a per-row integer (DeepSeek V4's hash-routed layers: each row's token id) that the
+router needs: ``none`` gathers it with the rows; under ``all_to_all`` each rank routes its own rows,
+so the ids stay beside them.
+
 The all-to-all's split sizes depend on the routing and must be known on the host, so the exchange is
 a graph break on every backend, NCCL included. The capturable alternative, a fixed-capacity
 exchange, must size each destination's buffer for the worst case (all of a rank's pairs to one
@@ -29,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphcp.dist.comm import FFNCommunicator, all_gather_into
-from graphcp.forward_context import current_valid_rows
+from graphcp.forward_context import current_valid_rows, route
 from graphcp.graph.protocol import capture_active, graph_break
 from graphcp.profiling import nvtx_range
 
@@ -73,10 +77,12 @@ class GatherScatterMoE:
         self.layout, self.traffic = layout, traffic
         self.counts_load = counts_load       # one rank per attention-TP group counts its rows' load
 
-    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable,
+            row_ids: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         everyone = self.layout.gather(x)
-        weights, ids = router(everyone)
+        everyone_ids = None if row_ids is None else self.layout.gather(row_ids)
+        weights, ids = route(router, everyone, everyone_ids)
         partial = experts(everyone, ids, weights)
         if not capture_active():
             self._count(x, ids, partial, rows)
@@ -110,7 +116,8 @@ class AllToAllMoE:
         self.attn_tp_group, self.attn_tp_size = attn_tp_group, attn_tp_size
         self.attn_tp_rank, self.traffic = attn_tp_rank, traffic
 
-    def run(self, x: torch.Tensor, router: Callable, experts: Callable) -> torch.Tensor:
+    def run(self, x: torch.Tensor, router: Callable, experts: Callable,
+            row_ids: torch.Tensor | None = None) -> torch.Tensor:
         rows, hidden = x.shape
         valid = current_valid_rows()
         valid = x.new_ones(rows, dtype=torch.long) if valid is None else valid
@@ -120,7 +127,8 @@ class AllToAllMoE:
             mine = slice(self.attn_tp_rank * share, (self.attn_tp_rank + 1) * share)
             x = nn.functional.pad(x, (0, 0, 0, pad))[mine]
             valid = nn.functional.pad(valid, (0, pad))[mine]
-        weights, ids = router(x)
+            row_ids = None if row_ids is None else nn.functional.pad(row_ids, (0, pad))[mine]
+        weights, ids = route(router, x, row_ids)   # each rank routes its own rows, ids beside them
         out = x.new_empty(x.shape)
         _dispatch_combine(self, out, x, ids, weights, valid, experts)
         if self.attn_tp_size == 1:

@@ -6,6 +6,16 @@ from __future__ import annotations
 
 import torch
 
+# Query rows run in chunks (``row_chunk``) whose per-call intermediates hold at most this many
+# elements.
+CHUNK_ELEMENTS = 2**24
+
+
+def row_chunk(keys: int, width: int) -> int:
+    """Query rows per call: the torch forms gather [rows, keys, width] tensors (the indexer's keys,
+    the selected MLA rows), so a chunk holds CHUNK_ELEMENTS // (keys x width) rows."""
+    return max(1, CHUNK_ELEMENTS // (keys * width))
+
 
 def key_slots(page_rows: torch.Tensor, page_size: int) -> torch.Tensor:
     """[rows, P] page-table rows -> [rows, P * page_size] cache slot of each key position."""

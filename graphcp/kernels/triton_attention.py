@@ -1,46 +1,54 @@
 """Paged variable-length attention in Triton, with the contract of ``torch_paged_attention``.
 
-Capturable design: the launch grid depends on tensor *shapes* only (the local token count T and the
-number of sequences S), never on the batch's values. Every query tile belongs to exactly one sequence:
-sequence s is cut into ceil(q_len_s / BLOCK_M) tiles and the rows past ``cu_seqlens_q[-1]`` (padding) into
-ceil(pad / BLOCK_M) zero-filling tiles. Summed over the S + 1 segments that is at most T // BLOCK_M + S + 1
-tiles, which is the grid's second axis; surplus programs exit without work. A program finds its segment
-from a prefix sum over ``cu_seqlens_q`` computed in the kernel, and bounds its key loop by the largest
-``q_limits`` among its rows (key blocks past every row's limit are skipped).
+Capturable design: the launch grid depends on tensor *shapes* only (the local token count T and
+the number of sequences S), never on the batch's values. Every query tile belongs to exactly one
+sequence: sequence s is cut into ceil(q_len_s / BLOCK_M) tiles and the rows past
+``cu_seqlens_q[-1]`` (padding) into ceil(pad / BLOCK_M) zero-filling tiles. Summed over the S + 1
+segments that is at most T // BLOCK_M + S + 1 tiles, which is the grid's second axis; surplus
+programs exit without work. A program finds its segment from a prefix sum over ``cu_seqlens_q``
+computed in the kernel, and bounds its key loop by the largest ``q_limits`` among its rows (key
+blocks past every row's limit are skipped).
 
-Grid axis 0 is the query head; GQA maps query head h to kv head h // (Hq // Hkv).
+Grid axis 0 is the query head; GQA maps query head h to kv head h // (Hq // Hkv). K and V tiles are
+gathered as [BLOCK_N, D] rows through the page table (the QK dot reads K transposed); offsets are
+int32 unless a tensor spans 2**31 elements (WIDE), which keeps every tiling free of register spills
+for sm_90a (``profiles/kernel_report.py``).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 
 
 @triton.jit
-def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
-               stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-               qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-               DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, K_HEAD, V_HEAD, d, stride_ks, stride_kd,
+               stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+               MASKED: tl.constexpr, WIDE: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages."""
     kpos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = kpos < hi
-        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0).to(tl.int64)
+        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0)
     else:
-        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp).to(tl.int64)
+        page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp)
+    page = page.to(tl.int64) if WIDE else page.to(tl.int32)
     slot = page * PAGE_SIZE + (kpos % PAGE_SIZE)
-    k_ptr = KP + slot[None, :] * stride_ks + kv_head * stride_kh + d[:, None] * stride_kd
-    v_ptr = VP + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :] * stride_vd
+    # K and V as [BLOCK_N, D] rows (each key's D contiguous); the QK dot takes K transposed.
+    k_ptr = K_HEAD + slot[:, None] * stride_ks + d[None, :] * stride_kd
+    v_ptr = V_HEAD + slot[:, None] * stride_vs + d[None, :] * stride_vd
     if MASKED:
-        kt = tl.load(k_ptr, mask=k_ok[None, :], other=0.0)                          # [D, BLOCK_N]
+        k = tl.load(k_ptr, mask=k_ok[:, None], other=0.0)                 # [BLOCK_N, D]
     else:
-        kt = tl.load(k_ptr)
+        k = tl.load(k_ptr)
     if DOT_F32:
-        kt = kt.to(tl.float32)
-    qk = tl.dot(q, kt, input_precision=PREC) * qk_scale                              # log2 domain
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale           # log2 domain
     if MASKED:
         qk = tl.where(kpos[None, :] < lim[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -48,7 +56,7 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
     p = tl.math.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)                           # [BLOCK_N, D]
+        v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)                 # [BLOCK_N, D]
     else:
         v = tl.load(v_ptr)
     p = p.to(v.dtype)                    # P@V in the cache dtype, as flash kernels do
@@ -69,24 +77,24 @@ def _paged_attn_kernel(
     T, S, P, qk_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, WIDE: tl.constexpr,
 ):
-    head = tl.program_id(0)              # heads vary fastest: programs sharing a kv head run together (L2)
+    head = tl.program_id(0)      # heads vary fastest: programs sharing a kv head run together (L2)
     pid = tl.program_id(1)
     kv_head = head // GROUP
 
-    # --- which segment (sequence, or the padding tail) this tile belongs to -------------------------
+    # --- which segment (sequence, or the padding tail) this tile belongs to ---------------------
     s_idx = tl.arange(0, BLOCK_S)
     s_ok = s_idx < S
     starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int32)
     ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int32)
     tiles = tl.where(s_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    cum = tl.cumsum(tiles, 0)                                    # inclusive tile counts per sequence
-    total_q = tl.load(CU + S).to(tl.int32)                       # cu_seqlens_q[-1]
+    cum = tl.cumsum(tiles, 0)                              # inclusive tile counts per sequence
+    total_q = tl.load(CU + S).to(tl.int32)                 # cu_seqlens_q[-1]
     total_tiles = tl.sum(tiles, 0)
-    # Launch the last tiles first: in causal rows they see the most keys, so the long work starts early.
+    # The last tiles first: in causal rows they see the most keys, so the long work starts early.
     pid = tl.where(pid < total_tiles, total_tiles - 1 - pid, pid)
-    seq = tl.sum((cum <= pid).to(tl.int32), 0)                   # first s with cum[s] > pid (S: none)
+    seq = tl.sum((cum <= pid).to(tl.int32), 0)             # first s with cum[s] > pid (S: none)
 
     d = tl.arange(0, HEAD_DIM)
     m_off = tl.arange(0, BLOCK_M)
@@ -95,7 +103,8 @@ def _paged_attn_kernel(
         q_start = tl.sum(tl.where(sel, starts, 0), 0)
         q_end = tl.sum(tl.where(sel, ends, 0), 0)
         tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
-        rows = (q_start + tile * BLOCK_M + m_off).to(tl.int64)      # int64: row * stride may pass 2**31
+        rows = q_start + tile * BLOCK_M + m_off
+        rows = rows.to(tl.int64) if WIDE else rows          # WIDE: row * stride may pass 2**31
         row_ok = rows < q_end
         lim = tl.load(LIM + rows, mask=row_ok, other=0).to(tl.int32)
         lim = tl.where(row_ok, lim, 0)
@@ -108,76 +117,91 @@ def _paged_attn_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        pr_row = PR + seq.to(tl.int64) * stride_pr
-        # Key blocks below every live row's limit need no mask (most of a long causal row); the rest do.
+        pr_row = PR + seq * stride_pr
+        k_head = KP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_kh
+        v_head = VP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_vh
+        # Key blocks below every live row's limit need no mask (most of a long causal row).
         lo = tl.min(tl.where(row_ok, lim, 2147483647), 0)
         full_end = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N
         for start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
-                                       stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False)
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, k_head, v_head,
+                                       d, stride_ks, stride_kd, stride_vs, stride_vd, stride_pp,
+                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False, WIDE)
         for start in range(full_end, hi, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, KP, VP, kv_head, d,
-                                       stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True)
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, k_head, v_head,
+                                       d, stride_ks, stride_kd, stride_vs, stride_vd, stride_pp,
+                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True, WIDE)
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
                  o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile do nothing.
-        pad_rows = (total_q + (pid - total_tiles) * BLOCK_M + m_off).to(tl.int64)
+        # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile idle.
+        pad_rows = total_q + (pid - total_tiles) * BLOCK_M + m_off
+        pad_rows = pad_rows.to(tl.int64) if WIDE else pad_rows
         pad_ok = (pad_rows < T) & (pad_rows >= total_q)
         zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         tl.store(OUT + pad_rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
                  zero.to(OUT.dtype.element_ty), mask=pad_ok[:, None])
 
 
-def _blocks(device: torch.device, head_dim: int, dtype: torch.dtype, rows_per_seq: float) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (capturable). Long rows take 128-row tiles
-    with 8 warps for head_dim 128 (the usual Hopper flash-attention shape); rows shorter than a tile on
-    average (zigzag blocks, many short requests) keep 64 so fewer rows sit idle. ``profiles/gpu_check.py``
-    sweeps these on the GPU."""
-    if device.type != "cuda":
-        return 16, 16, 1, 1            # interpreter: small tiles keep numpy work low on short sequences
+class AttentionTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> AttentionTiles:
+    """The CUDA tiling for ``rows`` local query rows: the batch's real (padded) row count eagerly,
+    the bucket in a graph (which serves batches of more than half its rows), never a sequence
+    capacity.
+    Under 2048 rows, 64-row tiles: enough programs to fill the SMs and at most 63 idle rows per
+    sequence; from 2048, 128 rows over 8 warps (two warpgroups) halve the K/V traffic per query row.
+    fp32 runs its dots (IEEE, no TF32) on the FMA units, whose operand layouts hold a whole row of
+    the reduced dimension per thread: 32 x 16 tiles over 8 warps are the largest that fit. Every
+    choice assembles without register spills for sm_90a (``profiles/kernel_report.py``); the GPU
+    sweep in ``profiles/gpu_check.py`` times them."""
     if dtype == torch.float32:
-        return 64, 32, 4, 2            # fp32 tiles are twice the bytes: keep shared memory under ~64 KiB
-    if rows_per_seq < 128:
-        return (64, 64, 4, 2) if head_dim == 128 else (64, 64, 4, 3)
-    return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 4, 3)
+        return AttentionTiles(32, 16, 8, 2)
+    if rows < 2048:
+        return AttentionTiles(64, 64, 4, 3)
+    return AttentionTiles(128, 64, 8, 3)
 
 
-def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
-                           max_q: int, max_kv: int, out: torch.Tensor, *, block_m: int | None = None,
-                           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
+                           q_limits: torch.Tensor, page_size: int, scale: float, max_q: int,
+                           max_kv: int, out: torch.Tensor, *, block_m: int | None = None,
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None,
                            workspace: dict | None = None) -> torch.Tensor:
-    """Same contract as ``torch_paged_attention``. ``max_q``/``max_kv`` are accepted for the shared signature
-    but never needed: every length is read from device memory, so 0 ("unknown on the host") is fine and
-    the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >= 16), ``num_warps`` and
-    ``num_stages`` override the tiling."""
+    """Same contract as ``torch_paged_attention``. ``max_q``/``max_kv`` are accepted for the shared
+    signature but never needed: every length is read from device memory, so 0 ("unknown on the
+    host") is fine and the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >=
+    16), ``num_warps`` and ``num_stages`` override the tiling."""
     T, Hq, D = q.shape
     Hkv = k_pool.shape[1]
     assert D in (64, 128), f"triton_paged_attention supports head_dim 64 and 128, got {D}"
     assert k_pool.shape[-1] == D and v_pool.shape[-1] == D and k_pool.shape[1] == v_pool.shape[1]
     assert Hq % Hkv == 0, f"query heads {Hq} not a multiple of kv heads {Hkv}"
-    assert page_size >= 1 and page_size & (page_size - 1) == 0, f"page_size must be a power of two, got {page_size}"
+    assert page_size >= 1 and page_size & (page_size - 1) == 0, \
+        f"page_size must be a power of two, got {page_size}"
     assert out.shape == q.shape
     S, P = page_rows.shape
     assert cu_seqlens_q.shape[0] == S + 1
     if T == 0:
         return out
-    bm, bn, warps, stages = _blocks(q.device, D, q.dtype, T / max(S, 1))
+    # interpreter: small tiles keep numpy work low on short sequences
+    bm, bn, warps, stages = (attention_tiles(T, D, q.dtype) if q.device.type == "cuda"
+                             else AttentionTiles(16, 16, 1, 1))
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages
     assert bm >= 16 and bn >= 16 and bm & (bm - 1) == 0 and bn & (bn - 1) == 0
     if S == 0:
         return out.zero_()
     block_s = max(16, triton.next_power_of_2(S))
-    # Triton's interpreter multiplies bf16 operands as raw integers, so there the dots run in fp32 on
-    # bf16-rounded operands (same rounding points as the GPU's bf16 dots). fp32 stays exact (no tf32).
-    dot_f32 = q.device.type != "cuda" and q.dtype == torch.bfloat16
-    prec = "ieee" if q.dtype == torch.float32 or dot_f32 else None
+    dot_f32, prec = dot_mode(q)
     grid = (Hq, T // bm + S + 1)
     assert grid[1] <= 65535, f"{T} query rows need more than 65535 tiles of {bm}; raise block_m"
     _paged_attn_kernel[grid](
@@ -187,11 +211,12 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         page_rows.stride(0), page_rows.stride(1),
-        T, S, P, float(scale) * _LOG2E,
-        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s, PREC=prec,
-        DOT_F32=dot_f32, num_warps=warps, num_stages=stages,
+        T, S, P, float(scale) * LOG2E,
+        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s,
+        PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out), num_warps=warps,
+        num_stages=stages,
     )
     return out
 
 
-__all__ = ["triton_paged_attention"]
+__all__ = ["triton_paged_attention", "attention_tiles"]

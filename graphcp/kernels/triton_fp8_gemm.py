@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcp.kernels.triton_util import needs_int64
 from graphcp.models.fp8 import FP8, FP8_MAX, Fp8Weight
 
 
@@ -92,33 +93,56 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
-    w_rows = tl.load(WROWS + rn, mask=n_ok, other=0).to(tl.int64)
+    # int32 offsets unless an operand spans 2**31 elements (WIDE): fewer address registers
+    rm_o, rn_o = (rm.to(tl.int64), rn.to(tl.int64)) if WIDE else (rm, rn)
+    w_rows = tl.load(WROWS + rn, mask=n_ok, other=0)
+    w_rows = w_rows.to(tl.int64) if WIDE else w_rows.to(tl.int32)
+    x_ptr = XQ + rm_o[:, None] * stride_xq + rk[None, :]                 # [BLOCK_M, BLOCK_K]
+    w_ptr = W + rn_o[:, None] * stride_w + (rk - k_offset)[None, :]      # [BLOCK_N, BLOCK_K]
+    xs_ptr = XS + rm
+    ws_ptr = WS + w_rows * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(num_kb):
-        x = tl.load(
-            XQ + rm64[:, None] * stride_xq + (kb * BLOCK_K + rk)[None, :],
-            mask=m_ok[:, None],
-            other=0.0,
-        )
         cols = kb * BLOCK_K - k_offset + rk
-        w_ok = n_ok[None, :] & ((cols >= 0) & (cols < K))[:, None]
-        w = tl.load(W + rn64[None, :] * stride_w + cols[:, None], mask=w_ok, other=0.0)
-        x_scale = tl.load(XS + kb * stride_xs + rm, mask=m_ok, other=0.0)
-        w_scale = tl.load(WS + w_rows * stride_ws + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+        w_ok = n_ok[:, None] & ((cols >= 0) & (cols < K))[None, :]
+        x = tl.load(x_ptr, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr, mask=w_ok, other=0.0)
+        x_scale = tl.load(xs_ptr, mask=m_ok, other=0.0)
+        w_scale = tl.load(ws_ptr, mask=n_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+        xs_ptr += stride_xs
+        ws_ptr += 1
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
-        Y + rm64[:, None] * stride_y + rn[None, :],
+        Y + rm_o[:, None] * stride_y + rn[None, :],
         acc.to(Y.dtype.element_ty),
         mask=m_ok[:, None] & n_ok[None, :],
     )
+
+
+def quant_tiles(block_k: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of the activation quantizer: one K group of BLOCK_M rows per program."""
+    return (16 if block_k >= 128 else 32), 4
+
+
+def gemm_tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM for ``m`` activation rows (the batch's
+    real rows eagerly, the bucket in a graph). Few rows read the weight once whatever the tile, so
+    the row tile follows m (16, 32, 64: no idle MMA rows) with 64-column tiles (more programs
+    streaming the weight); from 65 rows, 128 x 64 over 8 warps. 128 x 128 tiles need 254 registers
+    for sm_90a (the per-block scaling keeps a second accumulator live): on the edge of spilling."""
+    if m <= 64:
+        return max(16, triton.next_power_of_2(m)), 64, 4, 3
+    return 128, 64, 8, 3
 
 
 def quantize_activations_triton(
@@ -131,7 +155,7 @@ def quantize_activations_triton(
     xq = torch.empty(m, blocks * block_k, dtype=FP8, device=x.device)
     xs = torch.empty(blocks, m, dtype=torch.float32, device=x.device)
     if m:
-        block_m = 16 if block_k >= 128 else 32
+        block_m, warps = quant_tiles(block_k)
         _act_quant_kernel[(triton.cdiv(m, block_m), blocks)](
             x,
             xq,
@@ -145,7 +169,7 @@ def quantize_activations_triton(
             FP8_MAX,
             BLOCK_M=block_m,
             BLOCK_K=block_k,
-            num_warps=4,
+            num_warps=warps,
         )
     return xq, xs
 
@@ -164,8 +188,7 @@ def triton_fp8_linear(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
         xq, xs = quantize_activations_triton(x2, block_k, w.k_offset)
-        block_m = 64 if m <= 64 else 128
-        block_n = 128
+        block_m, block_n, warps, stages = gemm_tiles(m)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         _fp8_gemm_kernel[grid](
             xq,
@@ -189,10 +212,11 @@ def triton_fp8_linear(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            num_warps=4 if block_m == 64 else 8,
-            num_stages=3,
+            WIDE=needs_int64(xq, w.weight, y),
+            num_warps=warps,
+            num_stages=stages,
         )
     return y.view(*x.shape[:-1], n)
 
 
-__all__ = ["triton_fp8_linear", "quantize_activations_triton"]
+__all__ = ["triton_fp8_linear", "quantize_activations_triton", "quant_tiles", "gemm_tiles"]

@@ -5,6 +5,8 @@ Padding rows all point at the dummy slot 0, which ends up holding any one of the
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,19 @@ def _kv_write_kernel(
              v.to(VP.dtype.element_ty), mask=mask)
 
 
+class KVWriteTiles(NamedTuple):
+    block_r: int
+    block_e: int
+    num_warps: int
+
+
+def kv_write_tiles(heads: int, head_dim: int) -> KVWriteTiles:
+    """Rows per program and the flattened (head, dim) width: ~4K elements per tile."""
+    block_e = triton.next_power_of_2(heads * head_dim)
+    block_r = max(1, min(16, 4096 // block_e))
+    return KVWriteTiles(block_r, block_e, 4 if block_r * block_e >= 2048 else 2)
+
+
 def triton_kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:
     """k_pool[slots[i]] = k[i] and v_pool[slots[i]] = v[i] for i < N; pools [num_slots, Hkv, D], k/v [N, Hkv, D]."""
@@ -45,8 +60,7 @@ def triton_kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Ten
     assert slots.shape == (N,)
     if N == 0:
         return
-    block_e = triton.next_power_of_2(H * D)
-    block_r = max(1, min(16, 4096 // block_e))      # rows per program: ~4K elements per tile
+    block_r, block_e, warps = kv_write_tiles(H, D)
     grid = (triton.cdiv(N, block_r),)
     _kv_write_kernel[grid](
         k_pool, v_pool, slots, k, v,
@@ -55,8 +69,8 @@ def triton_kv_write(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Ten
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         N, HEAD_DIM=D, NUM_HEADS=H, BLOCK_R=block_r, BLOCK_E=block_e,
-        num_warps=4 if block_r * block_e >= 2048 else 2,
+        num_warps=warps,
     )
 
 
-__all__ = ["triton_kv_write"]
+__all__ = ["triton_kv_write", "kv_write_tiles"]

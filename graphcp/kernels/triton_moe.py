@@ -3,9 +3,9 @@ all experts, instead of a Python loop over experts (the torch form in ``models/m
 this kernel's oracle).
 
 Every step is a device tensor op whose shape is fixed by the row count, so the whole path can be
-captured in a CUDA graph: each expert's rows are padded to a multiple of BLOCK_M (capacity
-``pairs + experts x (BLOCK_M - 1)``), so every tile belongs to one expert; tiles past the last
-expert are masked off.
+captured in a CUDA graph: each expert's rows are padded to a multiple of the row tile BLOCK_M
+(capacity ``pairs + experts x (BLOCK_M - 1)``; BLOCK_M follows the pairs per expert, a shape), so
+every tile belongs to one expert; tiles past the last expert are masked off.
 """
 from __future__ import annotations
 
@@ -13,85 +13,112 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
+from graphcp.kernels.triton_util import needs_int64
 
 
 @triton.jit
 def _grouped_gemm_kernel(A, ROWS, W, OUT, TILE_EXPERT, K, N, stride_am, stride_we, stride_wn,
                          stride_wk, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
     """OUT[r] = A[ROWS[r]] @ W[e].T for the rows r of tile t, e = TILE_EXPERT[t]; rows with
-    ROWS < 0 and tiles with e < 0 write zeros."""
+    ROWS < 0 and tiles with e < 0 write zeros. Row offsets are int32 unless A or OUT spans 2**31
+    elements (WIDE); the expert's base offset is int64 (all experts together may pass 2**31)."""
     tile = tl.program_id(0)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
     expert = tl.load(TILE_EXPERT + tile)
     rows = tl.load(ROWS + offs_m)
     rows = tl.where(expert >= 0, rows, -1)
     live = rows >= 0
-    a_base = A + tl.maximum(rows, 0).to(tl.int64)[:, None] * stride_am
-    w_base = W + tl.maximum(expert, 0).to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    rows = tl.maximum(rows, 0)
+    rows = rows.to(tl.int64) if WIDE else rows.to(tl.int32)
+    a_ptr = A + rows[:, None] * stride_am + offs_k[None, :]
+    # the expert's [N, K] weight as [BLOCK_N, BLOCK_K] tiles (K contiguous), transposed for the dot
+    w_ptr = (W + tl.maximum(expert, 0).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+             + offs_k[None, :] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_base + offs_k[None, :], mask=live[:, None] & (offs_k[None, :] < K), other=0.0)
-        w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc += tl.dot(a, w, input_precision=PREC)
-    out = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(OUT.dtype.element_ty), mask=offs_n[None, :] < N)
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptr, mask=live[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=PREC)
+        a_ptr += BLOCK_K
+        w_ptr += BLOCK_K * stride_wk
+    offs_out = offs_m.to(tl.int64) if WIDE else offs_m
+    out = OUT + offs_out[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=n_ok[None, :])
+
+
+def moe_row_tile(rows_per_expert: float) -> int:
+    """BLOCK_M: each expert's rows are padded to whole tiles, so the row tile is the largest of 16,
+    32, 64 that is at most a quarter of the rows an expert gets on average (padding ~1/8 of the
+    work): few tokens per expert keep 16-row tiles, long prompts share each weight tile over 64."""
+    return max([b for b in (16, 32, 64) if b <= rows_per_expert / 4], default=16)
+
+
+def moe_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMM [rows, k] @ [k, n]."""
+    return (min(64, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(k))),
+            4, 3)
 
 
 def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
                  tile_expert: torch.Tensor) -> torch.Tensor:
     """a [R, K], rows [cap] (a row of ``a`` or -1), w [E, N, K], tile_expert [cap / BLOCK_M]
-    -> [cap, N]."""
+    -> [cap, N]; the row tile BLOCK_M is the one ``sort_by_expert`` padded to."""
     a, cap, n, k = a.contiguous(), rows.shape[0], w.shape[1], w.shape[2]
+    block_m = cap // tile_expert.shape[0]
     out = a.new_empty((cap, n))
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_n, block_k, warps, stages = moe_tiles(n, k)
     prec = "ieee" if a.dtype == torch.float32 else "tf32"
-    grid = (cap // BLOCK_M, triton.cdiv(n, block_n))
+    grid = (cap // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](a, rows, w, out, tile_expert, k, n, a.stride(0), w.stride(0),
-                               w.stride(1), w.stride(2), out.stride(0), BLOCK_M=BLOCK_M,
-                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec)
+                               w.stride(1), w.stride(2), out.stride(0), BLOCK_M=block_m,
+                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec,
+                               WIDE=needs_int64(a, out), num_warps=warps, num_stages=stages)
     return out
 
 
-def sort_by_expert(ids: torch.Tensor, first: int, num_local: int) -> tuple[torch.Tensor, ...]:
+def sort_by_expert(ids: torch.Tensor, first: int, num_local: int,
+                   block_m: int) -> tuple[torch.Tensor, ...]:
     """Pairs sorted by local expert, each expert padded to whole tiles: (row_pair [cap], the flat
-    (row, k) pair index at each sorted row or -1; tile_expert [cap / BLOCK_M], each tile's local
-    expert or -1). Pairs routed to other ranks' experts are dropped."""
+    (row, k) pair index at each sorted row or -1; tile_expert [cap / block_m], each tile's local
+    expert or -1). Pairs routed to other ranks' experts are dropped; tiles of ``block_m`` rows."""
     dev, pairs = ids.device, ids.numel()
     local = ids.reshape(-1) - first
     other = torch.full_like(local, num_local)
     local = torch.where((local >= 0) & (local < num_local), local, other)
     counts = torch.zeros(num_local + 1, dtype=torch.long, device=dev)
     counts = counts.scatter_add_(0, local, torch.ones_like(local))
-    padded = (counts[:num_local] + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
     sorted_start = torch.cumsum(counts, 0) - counts
     order = torch.argsort(local, stable=True)
     expert_of = local[order]
     rank_in_expert = torch.arange(pairs, device=dev) - sorted_start[expert_of]
-    cap = -(-(pairs + num_local * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    cap = -(-(pairs + num_local * (block_m - 1)) // block_m) * block_m
     start = pad_start[expert_of.clamp(max=num_local - 1)]
     trash = torch.full_like(expert_of, cap)         # other ranks' pairs land past the end
     dest = torch.where(expert_of < num_local, start + rank_in_expert, trash)
     row_pair = torch.full((cap + 1,), -1, dtype=torch.long, device=dev)
     row_pair = row_pair.scatter_(0, dest, order)[:cap]
-    tile_expert = torch.searchsorted(pad_end, torch.arange(0, cap, BLOCK_M, device=dev), right=True)
+    tile_expert = torch.searchsorted(pad_end, torch.arange(0, cap, block_m, device=dev), right=True)
     none = torch.full_like(tile_expert, -1)
     tile_expert = torch.where(tile_expert < num_local, tile_expert, none)
     return row_pair, tile_expert
 
 
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, first: int) -> torch.Tensor:
-    """The torch form's contract: x [N, H], ids/weights [N, k] -> [N, H], the local experts' sum."""
-    k, inter = ids.shape[1], down.shape[-1]
-    row_pair, tile_expert = sort_by_expert(ids, first, gate_up.shape[0])
+                   down: torch.Tensor, first: int, block_m: int | None = None) -> torch.Tensor:
+    """The torch form's contract: x [N, H], ids/weights [N, k] -> [N, H], the local experts' sum.
+    ``block_m`` overrides the row tile (16, 32 or 64)."""
+    k, inter, num_local = ids.shape[1], down.shape[-1], gate_up.shape[0]
+    # rows per local expert if routing spreads evenly (an upper bound under expert parallelism)
+    block_m = block_m or moe_row_tile(ids.numel() / num_local)
+    row_pair, tile_expert = sort_by_expert(ids, first, num_local, block_m)
     live = row_pair >= 0
     pair = row_pair.clamp(min=0)
     rows = torch.where(live, pair // k, row_pair)

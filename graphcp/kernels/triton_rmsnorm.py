@@ -32,6 +32,12 @@ def _rmsnorm_kernel(X, R, W, Y, S, stride_xt, stride_xh, stride_rt, stride_yt, s
     tl.store(Y + t * stride_yt + h * stride_yh + cols, (w * normed).to(Y.dtype.element_ty), mask=ok)
 
 
+def rmsnorm_tiles(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): one program per row (and head), the whole row in one tile."""
+    block = triton.next_power_of_2(width)
+    return block, max(1, min(8, block // 256))
+
+
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x); with ``residual`` ([T, N] only): (norm(x + residual), x + residual)."""
@@ -46,12 +52,12 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r = residual if add else out
     T, H, N = x3.shape
     if T and H:
-        block = triton.next_power_of_2(N)
+        block, warps = rmsnorm_tiles(N)
         _rmsnorm_kernel[(T, H)](x3, r, weight, out, total, x3.stride(0), x3.stride(1), r.stride(0), out.stride(0),
                                 out.stride(1), total.stride(0), N, float(eps), BLOCK=block, ADD=add,
-                                num_warps=max(1, min(8, block // 256)))
+                                num_warps=warps)
     out = out if x.dim() == 3 else out.squeeze(1)
     return (out, total) if add else out
 
 
-__all__ = ["triton_rms_norm"]
+__all__ = ["triton_rms_norm", "rmsnorm_tiles"]

@@ -35,6 +35,12 @@ def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_yt, stride_yh, str
     tl.store(y_row + HALF, y2.to(dt), mask=ok)
 
 
+def rope_tiles(heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_D, num_warps): one program per token and block of heads (>= 2 heads: no
+    size-1 aranges)."""
+    return max(2, min(16, triton.next_power_of_2(heads))), triton.next_power_of_2(head_dim // 2), 4
+
+
 def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D]; cos/sin [T, D] (rows of the position's table, in x's dtype, last dim contiguous)."""
     T, H, D = x.shape
@@ -42,11 +48,11 @@ def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     assert cos.stride(-1) == 1 and sin.stride() == cos.stride()
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
     if T and H:
-        block_h = max(2, min(16, triton.next_power_of_2(H)))     # >= 2: no size-1 aranges
-        _rope_kernel[(T, triton.cdiv(H, block_h))](x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0),
-                                                   out.stride(1), cos.stride(0), H, HALF=D // 2,
-                                                   BLOCK_D=triton.next_power_of_2(D // 2), BLOCK_H=block_h)
+        block_h, block_d, warps = rope_tiles(H, D)
+        _rope_kernel[(T, triton.cdiv(H, block_h))](
+            x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), H,
+            HALF=D // 2, BLOCK_D=block_d, BLOCK_H=block_h, num_warps=warps)
     return out
 
 
-__all__ = ["triton_rope"]
+__all__ = ["triton_rope", "rope_tiles"]

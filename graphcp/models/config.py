@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
+from graphcp.models.deepseek_v4_config import (V4_ARCHITECTURES, DeepseekV4Config,
+                                               v4_attention_kinds, v4_fields)
 from graphcp.models.dsa_config import DSA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
 from graphcp.models.hybrid_config import (HYBRID_ARCHITECTURES, HYBRID_DEFAULTS, HYBRID_MODEL_TYPES,
@@ -19,12 +21,14 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
     **DSA_ARCHITECTURES,
+    **V4_ARCHITECTURES,
     **HYBRID_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-                "glm_moe_dsa": "GlmMoeDsaForCausalLM", **HYBRID_MODEL_TYPES}
+                "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM",
+                **HYBRID_MODEL_TYPES}
 # transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
 # another fallback (tests/test_config_fields.py checks every field against the classes).
 _QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
@@ -41,6 +45,7 @@ _HF_DEFAULTS = {
     "GlmMoeDsaForCausalLM": dict(max_position_embeddings=202752, rms_norm_eps=1e-5,
                                  routed_scaling_factor=2.5, n_shared_experts=1, n_group=1,
                                  topk_group=1),
+    "DeepseekV4ForCausalLM": {},          # its own defaults (models/deepseek_v4_config.py)
     **HYBRID_DEFAULTS,
 }
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
@@ -79,6 +84,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     dsa: DSAConfig | None = None        # DSA models: MLA + lightning indexer (models/dsa_config.py)
     hybrid: HybridConfig | None = None  # Gated DeltaNet + gated attention (models/hybrid_config.py)
+    v4: DeepseekV4Config | None = None  # DeepSeek V4 (models/deepseek_v4_config.py)
     attention_kinds: tuple[str, ...] = ()   # per layer: the attention kind (graphcp/attention/kinds.py)
 
     @property
@@ -131,6 +137,11 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
             raise ConfigError(f"--model-path: {source} {key}={raw[key]} exceeds the limit {LIMITS[key]}")
         return raw[key]
 
+    if arch in V4_ARCHITECTURES:       # its own rotaries, layer kinds and MoE fields
+        fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
+        fields = v4_fields(raw, need)
+        return ModelConfig(architecture=arch, family=family, fp8_block=fp8_block, fp8_skip=fp8_skip,
+                           attention_kinds=v4_attention_kinds(fields["v4"]), **fields)
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:

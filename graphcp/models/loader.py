@@ -16,6 +16,7 @@ from graphcp.errors import ConfigError
 from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.decoder import DecoderLM
+from graphcp.models.deepseek_v4_names import RenamedReader
 from graphcp.models.families import model_class
 from graphcp.models.gguf import GGUFTensors, is_gguf
 from graphcp.models.moe import EPInfo, Experts
@@ -51,6 +52,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
     cfg = read_model_config(model_path)
     reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
+    if cfg.v4 is not None:               # DeepSeek's tensor names, seen as transformers names
+        reader = RenamedReader(reader)
     names = set(reader.shapes)
     family = model_class(cfg)
     with torch.device("meta"):
@@ -68,13 +71,16 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     for module in model.modules():        # routers and the like that HF keeps in fp32
         if getattr(module, "keep_fp32", False):
             module.float()
+        for name in getattr(module, "fp32_tensors", ()):     # single parameters or buffers
+            getattr(module, name).data = getattr(module, name).data.float()
     # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
     if keep_fp8 is None:
         keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
-    keep_fp8 = keep_fp8 and cfg.dsa is None      # MLA's absorbed form needs kv_b_proj dequantized
+    # MLA's absorbed form needs kv_b_proj dequantized; V4's grouped o_a_proj is a batched GEMM
+    keep_fp8 = keep_fp8 and cfg.dsa is None and cfg.v4 is None
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
 

@@ -17,10 +17,11 @@ import time
 
 import torch
 
+from graphcp.attention.kinds import cache_parts, layer_kinds
 from graphcp.dist.procs import child_env
 from graphcp.errors import ConfigError, RequestError, TransferError
 from graphcp.models import read_model_config
-from graphcp.pd.layout import DTYPES, SlotLayout, destination_dict, layout_for
+from graphcp.pd.layout import DTYPES, destination_dict, layout_for
 from graphcp.pd.mooncake import READY, transfer_engine_class
 
 
@@ -40,6 +41,9 @@ class KVReceiver:
         transfer_engine_class()                                  # a clear error here, not in the child
         cfg = read_model_config(model_path)
         self.layout = layout_for(cfg, max_tokens, dtype)
+        layers = range(cfg.num_hidden_layers)       # rows become engine.kv_cache's format by kind
+        self.model_config, self.kinds = cfg, layer_kinds(cfg, layers)
+        self.parts = cache_parts(cfg, layers, 1)
         self.protocol, self.max_requests = protocol, max_requests
         self._slots: dict[str, int] = {}
         self._proc = None
@@ -91,8 +95,9 @@ class KVReceiver:
         return destination_dict(rid, self.session, self.protocol, self.layout, addr)
 
     def kv(self, rid: str) -> list[tuple]:
-        """The received cache in ``engine.kv_cache`` format: per layer (k, v) [num_kv_heads, len, head_dim]
-        (dense), or (kv_latent, k_rope, index_k or None) [len, dim] (DSA); fp32."""
+        """The received cache in ``engine.kv_cache`` format (each layer's kind's export): per layer
+        (k, v) [num_kv_heads, len, head_dim] (dense), (kv_latent, k_rope, index_k or None)
+        [len, dim] (DSA), or DeepSeek V4's five parts (README); fp32."""
         self._check_open()
         if rid not in self._slots:
             raise RequestError(f"request {rid!r}: no destination was reserved for it on this receiver")
@@ -111,8 +116,8 @@ class KVReceiver:
             for part, width in enumerate(widths):
                 start = data + lay.part_bases[layer][part]
                 rows = self._buffer[start:start + n * width * lay.element_size].view(DTYPES[lay.dtype])
-                parts.append(rows.view(n, width).float().clone())
-            out.append(_engine_format(lay, parts, n))
+                parts.append(rows.view((n,) + self.parts[layer][part].shape).clone())
+            out.append(self.kinds[layer].export(self.model_config, tuple(parts)))
         return out
 
     def free(self, rid: str) -> None:
@@ -158,11 +163,3 @@ class KVReceiver:
         if getattr(self, "_proc", None) is not None:
             self.close()
 
-
-def _engine_format(layout: SlotLayout, parts: list[torch.Tensor], n: int) -> tuple:
-    """One layer's received rows [n, width] as ``engine.kv_cache`` gives them."""
-    if layout.kind == "dsa":
-        rows, index = parts[0], parts[1] if len(parts) > 1 else None
-        return rows[:, :layout.kv_lora_rank], rows[:, layout.kv_lora_rank:], index
-    k, v = (p.view(n, layout.num_kv_heads, layout.head_dim).transpose(0, 1) for p in parts)
-    return k, v

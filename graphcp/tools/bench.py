@@ -16,7 +16,7 @@ import torch
 from graphcp.config import resolve_dtype
 from graphcp.models.config import read_model_config
 from graphcp.tools.cli import engine_args, engine_parser
-from graphcp.tools.dsa_balance import dsa_table
+from graphcp.tools.dsa_balance import dsa_table, v4_table
 from graphcp.tools.linear_balance import linear_table
 
 DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
@@ -53,7 +53,11 @@ class _HF:
         kw = dict(dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa")
         if path.endswith(".gguf"):          # transformers dequantizes a GGUF itself (needs gguf, accelerate)
             kw["gguf_file"], path = os.path.basename(path), os.path.dirname(os.path.abspath(path))
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
+        try:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
+        except ValueError:      # an architecture without SDPA (DeepSeek V4): HF's eager attention
+            kw["attn_implementation"] = "eager"
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
         self.model.eval()
         self.device = device
 
@@ -152,9 +156,12 @@ def run(argv: list[str]) -> int:
           f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists; "
           f"page allocation {prep['tensor']['allocate_us']:.0f} us")
     report["host_prep_us"] = prep["host_prep_us"]
-    dsa = read_model_config(args.model_path).dsa
-    if dsa is not None:        # the indexer's and the sparse attention's work per rank (interleave)
-        table, report["dsa_balance"] = dsa_table(cases, balance_cp, dsa.index_topk)
+    model_cfg = read_model_config(args.model_path)
+    if model_cfg.dsa is not None:    # the indexer's and sparse attention's work per rank
+        table, report["dsa_balance"] = dsa_table(cases, balance_cp, model_cfg.dsa.index_topk)
+        print(table)
+    if model_cfg.v4 is not None:     # the same for DeepSeek V4's CSA indexers and all layers' keys
+        table, report["v4_balance"] = v4_table(cases, balance_cp, model_cfg.v4)
         print(table)
     hybrid = read_model_config(args.model_path).hybrid
     if hybrid is not None:     # the linear layers' work per zigzag rank, their exchange per layer

@@ -35,7 +35,7 @@ def measure_host_prep(requests: int = 32, length: int = 1024, cp: int = 8, reps:
             txn = planner.allocate(plan)
             t2 = time.perf_counter()
             host = plan.layout.host
-            staging.fill(plan.extend_lens, plan.prefix_lens, planner.pages.rows(plan.rids), plan.ids)
+            staging.set(plan.inputs(planner.pages.rows(plan.rids)))
             t3 = time.perf_counter()
             planner.rollback(txn)
             plan_us.append((t1 - t0) * 1e6)
