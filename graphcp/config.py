@@ -43,6 +43,8 @@ class EngineArgs:
     max_total_tokens: int | None = None
     capture_plan: str | None = None
     max_batch_requests: int = 8
+    max_state_requests: int | None = None   # models with per-request state: requests that hold it
+                                            # at once (None: 4 x max_batch_requests)
     rank_timeout_s: float = 60.0
     ffn_tp_size: int | None = None   # None = the TP world; or tp / (dp x attn-cp-size) to keep the FFN
                                      # with attention TP: no layer communicator, FFN weights replicated per CP rank
@@ -83,7 +85,8 @@ class EngineArgs:
             _choice("--cp-strategy", self.cp_strategy, STRATEGIES)
         for flag, value in (("--tp", self.tp_size), ("--dp", self.dp_size), ("--pp", self.pp_size),
                             ("--attn-cp-size", self.attn_cp_size), ("--page-size", self.page_size),
-                            ("--max-batch-requests", self.max_batch_requests)):
+                            ("--max-batch-requests", self.max_batch_requests),
+                            ("--max-state-requests", self.resolved_max_state_requests)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
         if self.page_size & (self.page_size - 1):
@@ -158,6 +161,11 @@ class EngineArgs:
         return self.tp_size // self.ep_size
 
     @property
+    def resolved_max_state_requests(self) -> int:
+        given = self.max_state_requests
+        return 4 * self.max_batch_requests if given is None else given
+
+    @property
     def resolved_cp_strategy(self) -> str:
         """The layout: the one asked for, or zigzag (a one-rank zigzag when CP is off)."""
         return self.cp_strategy or "zigzag"
@@ -208,6 +216,9 @@ class EngineArgs:
         add("--capture-plan", default=d["capture_plan"])
         add("--max-batch-requests", type=int, default=d["max_batch_requests"],
             help="static request capacity of the graphs")
+        add("--max-state-requests", type=int, default=d["max_state_requests"],
+            help="models with per-request recurrent state (linear attention): requests that "
+                 "hold it at once (default 4 x --max-batch-requests)")
         add("--rank-timeout", dest="rank_timeout_s", type=float, default=d["rank_timeout_s"],
             help="seconds before a silent rank makes prefill fail")
         add("--ffn-tp-size", type=int, default=d["ffn_tp_size"],

@@ -26,6 +26,8 @@ class BatchInputs:
     ids: list[torch.Tensor]             # per request, its new token ids
     whole_on: list[int] | None = None     # adaptive CP placement (see cp/adaptive.py)
     flat_ids: torch.Tensor | None = None  # ``ids`` concatenated already (one copy instead of a cat)
+    state_in: list[int] | None = None     # per-request state slot each request reads (0: none)
+    state_out: list[int] | None = None    # the slot its new state is written to (kv/pages.py)
 
 
 @dataclass
@@ -34,17 +36,18 @@ class Descriptors:
     extend_lens: torch.Tensor    # [req_cap]   new tokens per request (0 for padding requests)
     prefix_lens: torch.Tensor    # [req_cap]   cached tokens per request
     whole_on: torch.Tensor       # [req_cap]   0: split by the layout; r + 1: whole on CP rank r (adaptive)
+    state_in: torch.Tensor       # [req_cap]   per-request state slot read (0: none, zeros)
+    state_out: torch.Tensor      # [req_cap]   per-request state slot written (0: the dummy slot)
     page_table: torch.Tensor     # [req_cap, pages_cap] page ids (0 = the reserved dummy page)
     input_ids: torch.Tensor      # [ids_cap]   the batch's new tokens, flattened in request order
 
     @classmethod
     def allocate(cls, req_cap: int, pages_cap: int, ids_cap: int, device: torch.device | str = "cpu",
                  pin: bool = False) -> "Descriptors":
-        packed = torch.zeros(3 * req_cap + req_cap * pages_cap + ids_cap, dtype=torch.long, device=device,
-                             pin_memory=pin)
-        a, b, c = req_cap, 2 * req_cap, 3 * req_cap + req_cap * pages_cap
-        return cls(packed, packed[:a], packed[a:b], packed[b:b + a], packed[b + a:c].view(req_cap, pages_cap),
-                   packed[c:])
+        a, c = 5 * req_cap, 5 * req_cap + req_cap * pages_cap      # five per-request rows first
+        packed = torch.zeros(c + ids_cap, dtype=torch.long, device=device, pin_memory=pin)
+        per_request = packed[:a].view(5, req_cap).unbind(0)
+        return cls(packed, *per_request, packed[a:c].view(req_cap, pages_cap), packed[c:])
 
     @classmethod
     def for_batch(cls, batch: BatchInputs) -> "Descriptors":
@@ -56,11 +59,12 @@ class Descriptors:
 
     def set(self, batch: BatchInputs) -> None:
         self.fill(batch.extend_lens, batch.prefix_lens, batch.page_rows, batch.ids, batch.whole_on,
-                  batch.flat_ids)
+                  batch.flat_ids, (batch.state_in, batch.state_out))
 
     def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
              ids: list[torch.Tensor], whole_on: list[int] | None = None,
-             flat_ids: torch.Tensor | None = None) -> None:
+             flat_ids: torch.Tensor | None = None,
+             states: tuple[list[int] | None, list[int] | None] = (None, None)) -> None:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
         No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
         packed = self.packed.numpy()
@@ -70,8 +74,9 @@ class Descriptors:
         cap = self.extend_lens.shape[0]
         packed[:n] = extend_lens
         packed[cap:cap + n] = prefix_lens
-        if whole_on is not None:
-            packed[2 * cap:2 * cap + n] = whole_on
+        for row, values in ((2, whole_on), (3, states[0]), (4, states[1])):
+            if values is not None:
+                packed[row * cap:row * cap + n] = values
         widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=len(page_rows))
         if widths.sum():
             table = self.page_table.numpy()

@@ -74,12 +74,15 @@ class BatchPlan:
     def local_cap(self) -> int:
         return self.layout.local_cap
 
-    def inputs(self, page_rows: list) -> BatchInputs:
-        """The descriptors' source; a DP group without requests joins with one zero-length request."""
+    def inputs(self, page_rows: list,
+               state_rows: tuple[list[int], list[int]] | None = None) -> BatchInputs:
+        """The descriptors' source; a DP group without requests joins with one zero-length request.
+        ``state_rows``: the per-request state slots each request reads and writes (kv/pages.py)."""
         if not self.rids:
             return BatchInputs([0], [0], [[]], [torch.zeros(0, dtype=torch.long)])
+        state_in, state_out = state_rows or (None, None)
         return BatchInputs(self.extend_lens, self.prefix_lens, page_rows, self.ids, self.layout.whole_on,
-                           self.flat_ids)
+                           self.flat_ids, state_in, state_out)
 
 
 @dataclass
@@ -91,10 +94,10 @@ class PageTransaction:
 class Planner:
     def __init__(self, strategy: ContextParallelStrategy, cp_size: int, dp_size: int, dp_rank: int,
                  vocab_size: int, num_pages: int, page_size: int, max_context: int,
-                 max_batch_requests: int, cp_rank: int = 0) -> None:
+                 max_batch_requests: int, cp_rank: int = 0, state_slots: int = 0) -> None:
         self.strategy, self.cp_size, self.dp_rank, self.cp_rank = strategy, cp_size, dp_rank, cp_rank
         self.vocab_size, self.max_batch_requests = vocab_size, max_batch_requests
-        self.dp_pages = [PageTable(num_pages, page_size, max_context) for _ in range(dp_size)]
+        self.dp_pages = [PageTable(num_pages, page_size, max_context, state_slots) for _ in range(dp_size)]
         self.pages = self.dp_pages[dp_rank]
 
     # -- decisions -------------------------------------------------------------------------------
@@ -189,6 +192,19 @@ class Planner:
         ps = self.pages.page_size
         pos = torch.arange(state.cached_len)
         return torch.from_numpy(state.pages)[pos // ps] * ps + pos % ps
+
+    def state_slot(self, rid: str) -> int:
+        """``rid``'s committed per-request state slot on this rank (0: none, or another DP group's)."""
+        state = self.pages.requests.get(rid)
+        return state.state_slot if state else 0
+
+    @property
+    def state_slots_total(self) -> int:
+        return sum(p.state_slots for p in self.dp_pages)
+
+    @property
+    def state_slots_free(self) -> int:
+        return sum(p.state_slots_free for p in self.dp_pages)
 
     @property
     def tokens_total(self) -> int:

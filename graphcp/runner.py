@@ -63,11 +63,12 @@ class ModelRunner:
                                          self.strategy.bottom_right_causal)
         write = chosen("kv_write") if self.device.type == "cuda" else None
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
-                          cfg.sliding_window, write, announce=rank == 0)
+                          cfg.sliding_window, write, announce=rank == 0,
+                          state_parts=self.attention.state_parts())
         self.pool, self.max_context = cache.pool, cache.max_context
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,
-                               par.me.cp_rank)
+                               par.me.cp_rank, cache.state_slots)
         from graphcp.pd.sender import start_sender    # PD prefill mode: a Mooncake engine, the pool registered
         self.sender = start_sender(args, cfg, self.pool, par)
         if args.enable_adaptive_cp:                    # placement weights measured here, before any capture
@@ -120,6 +121,7 @@ class ModelRunner:
             meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
                                      par.me.cp_rank % strategy.cp_size, plan.local_cap, self.args.page_size,
                                      desc.whole_on)
+            meta = replace(meta, state_in=desc.state_in, state_out=desc.state_out)
             local_ids = desc.input_ids.index_select(0, meta.token_index)
             if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy
                 meta, (local_ids,) = meta.to(self.device, local_ids)
@@ -212,7 +214,7 @@ class ModelRunner:
     def _run(self, plan: BatchPlan, count_ops: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         rows = self.planner.pages.rows(plan.rids)
         self.pool.begin_batch(rows, plan.prefix_lens)
-        batch, n = plan.inputs(rows), len(plan.rids)
+        batch, n = plan.inputs(rows, self.planner.pages.state_rows(plan.rids)), len(plan.rids)
         if plan.bucket is not None:
             aux = self.graphs.inputs.aux
             with count_host_ops(count_ops) as counter:
@@ -240,9 +242,10 @@ class ModelRunner:
         slots = self.planner.slots(rid)
         if slots is None or (self.par.me.attn_tp_rank and not self.attention.heads_split):
             return None
-        slots = slots.to(self.device)
+        slots, state = slots.to(self.device), self.planner.state_slot(rid)
         held = self.pool.held_layers(self.par.layers)       # LayerSplit: only this CP rank's layers
-        layers = [self.attention.export(layer, self.pool.read(layer, slots)) for layer in held]
+        rows = [self.pool.read(layer, slots) + self.pool.states.read(layer, state) for layer in held]
+        layers = [self.attention.export(layer, parts) for layer, parts in zip(held, rows)]
         me = self.par.me
         return {"first_layer": held.start, "attn_tp_rank": me.attn_tp_rank, "cp_rank": me.cp_rank,
                 "layers": layers, "some_layers": held != self.par.layers}
@@ -266,7 +269,10 @@ class ModelRunner:
     def stats(self) -> dict:
         graphs = self.graphs
         return {"kv_tokens_total": self.planner.tokens_total, "kv_tokens_free": self.planner.tokens_free,
-                "kv_bytes": self.pool.nbytes,
+                "kv_bytes": self.pool.nbytes, "state_bytes": self.pool.states.nbytes,
+                "state_bytes_per_request": self.pool.states.bytes_per_request,
+                "state_slots_total": self.planner.state_slots_total,
+                "state_slots_free": self.planner.state_slots_free,
                 "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "graph_buckets": graphs.buckets if graphs else [],

@@ -40,15 +40,17 @@ def make_fp8_checkpoint(
     block: tuple[int, int],
     skip: tuple[str, ...] = ("lm_head",),
 ) -> tuple[str, str]:
-    """Quantize every ``*_proj.weight`` of ``src`` (MoE experts' too; not the router ``mlp.gate``)
-    outside ``skip`` (module names, each covering the modules under it); write the FP8 checkpoint
-    (with its quantization_config) and the dequantized float32 one (the plain config)."""
+    """Quantize every ``*_proj.weight`` and Gated DeltaNet ``in_proj_*.weight`` of ``src`` (MoE
+    experts' too; not the router ``mlp.gate``) outside ``skip`` (module names, each covering the
+    modules under it); write the FP8 checkpoint (with its quantization_config) and the dequantized
+    float32 one (the plain config)."""
     weights = load_file(os.path.join(src, "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
         module = name.rsplit(".", 1)[0]
         skipped = any(module == s or module.startswith(s + ".") for s in skip)
-        if name.endswith("_proj.weight") and not skipped:
+        projection = name.endswith("_proj.weight") or ".in_proj_" in name
+        if projection and not skipped:
             q, s = quantize_blocks(w, block)
             quantized[name], quantized[name + "_scale_inv"] = q, s
             dequantized[name] = dequantize_blocks(q, s, block)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.attention.context import AttentionContext, AttentionKernels
-from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds
+from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds, state_parts
 from graphcp.config import EngineArgs
 from graphcp.cp.metadata import CPMetadata
 from graphcp.cp.plan import HostMaxima
@@ -61,11 +61,16 @@ class AttentionBackend:
     def cache_parts(self) -> LayerParts:
         return cache_parts(self.cfg, range(min(self.kinds), max(self.kinds) + 1), self.attn_tp)
 
+    def state_parts(self) -> LayerParts:
+        """Per-request parts of the layers whose kind keeps state (none for attention only)."""
+        return state_parts(self.cfg, range(min(self.kinds), max(self.kinds) + 1), self.attn_tp)
+
     def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima) -> LayerOps:
         return LayerOps(self.kinds, AttentionContext(self.cfg, pool, meta, comm, host, self.kernels))
 
     def export(self, layer: int, rows: tuple[torch.Tensor, ...]) -> tuple:
-        """One layer's cached rows (per part, [n, *row]) as ``engine.kv_cache`` returns them."""
+        """One layer's cached rows (per part, [n, *row]; then its per-request parts) as
+        ``engine.kv_cache`` returns them."""
         return self.kinds[layer].export(self.cfg, rows)
 
 

@@ -1,8 +1,8 @@
-"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token, and
-how the engine returns them (``engine.kv_cache``). The model config names each layer's kind
-(``ModelConfig.attention_kinds``); this table is the one place a name becomes an op and a cache layout.
-A new family adds its kind here, its op beside ``op.py``, ``dsa.py`` and ``mla.py``, and its model
-file."""
+"""Layer kinds: for each kind of attention layer, its per-forward op, the parts it caches per token
+(and per request, for a recurrent kind), and how the engine returns them (``engine.kv_cache``). The
+model config names each layer's kind (``ModelConfig.attention_kinds``); this table is the one place a
+name becomes an op and a cache layout. A new family adds its kind here, its op beside ``op.py``,
+``dsa.py`` and ``mla.py``, and its model file."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +14,8 @@ from graphcp.attention.deepseek_v4 import GRAPH_REASON as V4_REASON
 from graphcp.attention.deepseek_v4 import (V4CSAAttention, V4HCAAttention, V4SlidingAttention,
                                            v4_export, v4_parts)
 from graphcp.attention.dsa import DSAAttention
+from graphcp.attention.linear_cp import linear_attention
+from graphcp.attention.linear_op import CONV, RECURRENT
 from graphcp.attention.mla import MLAAttention
 from graphcp.attention.op import PagedAttention
 from graphcp.errors import ConfigError
@@ -24,13 +26,14 @@ from graphcp.models.config import ModelConfig
 @dataclass(frozen=True)
 class LayerKind:
     name: str
-    op: type                                                       # built once per forward: op(ops)
+    op: Callable                                                   # built once per forward: op(ctx)
     parts: Callable[[ModelConfig, int, int], tuple[CachePart, ...]]  # (config, layer, attention TP)
     export: Callable[[ModelConfig, tuple[torch.Tensor, ...]], tuple]  # rows per part -> kv_cache entry
     pd_kind: str                                                   # the name PD destinations carry
     kernels: tuple[str, ...]                                       # the kernel ops its op runs
     graph_reason: str | None = None                                # why its layers run eagerly
     heads_split: bool = True        # attention-TP ranks cache their own heads (else the same rows)
+    state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None  # per request
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -61,6 +64,20 @@ def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
     return mla[:, :cfg.dsa.kv_lora_rank], mla[:, cfg.dsa.kv_lora_rank:], index
 
 
+def _linear_state(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
+    """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs), the delta-rule state (fp32)."""
+    h = cfg.hybrid
+    return (CachePart(CONV, (h.conv_kernel - 1, h.conv_dim)),
+            CachePart(RECURRENT, (h.num_v_heads, h.head_k_dim, h.head_v_dim), torch.float32))
+
+
+def _linear_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
+    """(conv window [K-1, conv_dim], the last K-1 inputs oldest first; delta-rule state
+    [Hv, dk, dv]). HF's cache keeps the window as [conv_dim, K] with one older input, never read."""
+    window, state = rows
+    return window.float().cpu(), state.float().cpu()
+
+
 KINDS = {
     "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
@@ -75,6 +92,8 @@ KINDS = {
                                  "deepseek_v4", (), V4_REASON),
     "deepseek_v4_csa": LayerKind("deepseek_v4_csa", V4CSAAttention, v4_parts, v4_export,
                                  "deepseek_v4", ("dsa",), V4_REASON),
+    "gated_deltanet": LayerKind("gated_deltanet", linear_attention, lambda cfg, layer, tp: (),
+                                _linear_export, "gated_deltanet", (), state=_linear_state),
 }
 
 
@@ -92,3 +111,10 @@ def layer_kinds(cfg: ModelConfig, layers: range) -> dict[int, LayerKind]:
 def cache_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
     """What each of ``layers`` caches per token on a rank of attention-TP size ``attn_tp``."""
     return {layer: kind.parts(cfg, layer, attn_tp) for layer, kind in layer_kinds(cfg, layers).items()}
+
+
+def state_parts(cfg: ModelConfig, layers: range, attn_tp: int) -> LayerParts:
+    """What each of ``layers`` whose kind keeps per-request state keeps per request."""
+    kinds = layer_kinds(cfg, layers)
+    return {layer: kind.state(cfg, layer, attn_tp) for layer, kind in kinds.items()
+            if kind.state is not None}

@@ -32,7 +32,11 @@ class CPMetadata:
     gather_token_index: torch.Tensor  # [cp_size * local_cap] new-token index of each all-gathered row, -1: padding
     gather_positions: torch.Tensor    # [cp_size * local_cap] position of each gathered row (0: pad)
     gather_requests: torch.Tensor     # [cp_size * local_cap] request (page-table row) of each one
+    block_lens: torch.Tensor     # [R, blocks] each request's new tokens in the layout's blocks, in
+                                 # order (zigzag: 2C, rank r holds r and 2C-1-r; interleave: one)
     early_sequences: int = 0     # zigzag: the first R sequences are the early blocks (0: no early/late split)
+    state_in: torch.Tensor | None = None    # [R] per-request state slot each request reads (0: none)
+    state_out: torch.Tensor | None = None   # [R] per-request state slot it writes (kv/states.py)
 
     def to(self, device: torch.device, *extra: torch.Tensor) -> tuple["CPMetadata", list[torch.Tensor]]:
         """Every field (and ``extra`` int64 tensors) moved in one host-to-device copy: an eager forward on
@@ -107,7 +111,8 @@ def zigzag_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_t
         valid=valid[rank], gather_slots=slot.reshape(-1), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
         page_rows=page_table.repeat(2, 1), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner,
         gather_token_index=((token_index + 1) * valid - 1).reshape(-1),
-        gather_positions=position.reshape(-1), gather_requests=req.reshape(-1), early_sequences=R)
+        gather_positions=position.reshape(-1), gather_requests=req.reshape(-1), block_lens=blk,
+        early_sequences=R)
 
 
 def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
@@ -136,4 +141,5 @@ def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, pa
         kv_lens=prefix_lens + extend_lens, page_rows=page_table, q_limits=(position[rank] + 1) * valid[rank],
         logit_rows=torch.div(last, C, rounding_mode="floor").clamp(min=0) * owner, logit_owner=owner,
         gather_token_index=((flat + 1) * valid - 1).reshape(-1),
-        gather_positions=position.reshape(-1), gather_requests=req.reshape(-1))
+        gather_positions=position.reshape(-1), gather_requests=req.reshape(-1),
+        block_lens=extend_lens[:, None])

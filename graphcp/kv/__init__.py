@@ -12,6 +12,7 @@ from graphcp.kv.cache import DUMMY_SLOT, CachePart, LayerParts, PagedPool, bytes
 from graphcp.kv.layer_split import LayerSplitPool
 from graphcp.kv.pages import PageTable, RequestKV
 from graphcp.kv.sizing import context_limit, kv_tokens
+from graphcp.kv.states import StatePool, state_bytes
 
 if TYPE_CHECKING:
     from graphcp.dist.parallel import RankParallel
@@ -22,27 +23,35 @@ class RankCache:
     pool: PagedPool
     num_pages: int          # pages of every page table (the reserved dummy page included)
     max_context: int        # the longest request (cached + new tokens) this rank accepts
+    state_slots: int = 0    # per-request state slots (0: no layer keeps per-request state)
 
 
 def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: torch.dtype, max_positions: int,
-              sliding_window: int | None, write_kernel: Callable | None = None, announce: bool = False) -> RankCache:
+              sliding_window: int | None, write_kernel: Callable | None = None, announce: bool = False,
+              state_parts: LayerParts | None = None) -> RankCache:
     """The rank's pool for ``parts`` (its stage's layers), sized alike on every rank (the least free memory
     of any rank). PD LayerSplit: each CP rank keeps only its own layers (and a scratch layer), so the pool
-    is sized as if it held 1/C of them."""
+    is sized as if it held 1/C of them. ``state_parts``: what layers keep per request
+    (``kv/states.py``): --max-state-requests slots, plus one spare per request of a full batch (a
+    batch writes spare slots until it commits), taken from the memory before the pages are sized."""
     per_token, split = bytes_per_token(parts, dtype), args.enable_dsa_cache_layer_split
     if split:
         per_token = -(-per_token // args.cp_size)
+    state_parts = {layer: p for layer, p in (state_parts or {}).items() if p}
+    slots = args.resolved_max_state_requests + args.max_batch_requests if state_parts else 0
+    states = StatePool(state_parts, slots, dtype, par.device)
     tokens = kv_tokens(args.max_total_tokens, per_token, par.device, par.ranks_per_device, max_positions,
-                       args.max_batch_requests, args.page_size, agree_min=par.min_over_world)
+                       args.max_batch_requests, args.page_size, agree_min=par.min_over_world,
+                       reserved=slots * state_bytes(state_parts, dtype))
     num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
     max_context = context_limit(max_positions, tokens, sliding_window, announce)
     if split:
         pool = LayerSplitPool(parts, num_pages, args.page_size, dtype, par.device, par.groups.cp, par.cp_ranks,
                               par.me.cp_rank)
     else:
-        pool = PagedPool(parts, num_pages, args.page_size, dtype, par.device, write_kernel)
-    return RankCache(pool, num_pages, max_context)
+        pool = PagedPool(parts, num_pages, args.page_size, dtype, par.device, write_kernel, states)
+    return RankCache(pool, num_pages, max_context, slots)
 
 
 __all__ = ["DUMMY_SLOT", "CachePart", "LayerParts", "PagedPool", "LayerSplitPool", "PageTable", "RequestKV",
-           "RankCache", "bytes_per_token", "make_pool"]
+           "RankCache", "StatePool", "bytes_per_token", "make_pool"]

@@ -2,9 +2,10 @@
 rows and indexer keys), each stored as ``[slots, *row shape]`` with slot = page * page_size + offset.
 
 Page 0 is reserved: its first slot is the dummy slot that padding rows write to, so padded graph
-replays never touch a real cache entry. The pool knows nothing of model families: a layer kind names
-its parts (``CachePart``) and the pool stores them; ``graphcp/attention/kinds.py`` says which kind each
-layer has and how the engine returns its cache.
+replays never touch a real cache entry. Parts kept per request rather than per token (a recurrent
+layer's state) live beside the pages in ``states`` (``kv/states.py``). The pool knows nothing of
+model families: a layer kind names its parts (``CachePart``) and the pool stores them;
+``graphcp/attention/kinds.py`` says which kind each layer has and how the engine returns its cache.
 """
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ from typing import Callable
 
 import torch
 
+from graphcp.kv.states import StatePool
+
 DUMMY_SLOT = 0
 
 
 @dataclass(frozen=True)
 class CachePart:
-    """One thing a layer caches per token: ``name`` and the shape of one token's row."""
+    """One thing a layer caches per token (or, for per-request state, per request): ``name``, the
+    shape of one row, and its dtype where it is not the pool's (a recurrent state kept in fp32)."""
     name: str
     shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
     @property
     def width(self) -> int:
@@ -68,9 +73,11 @@ class PagedPool(PoolHooks):
     that have them (one tensor each, which a PD sender registers once)."""
 
     def __init__(self, parts: LayerParts, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device, write_kernel: Callable | None = None) -> None:
+                 device: torch.device, write_kernel: Callable | None = None,
+                 states: StatePool | None = None) -> None:
         self.layer_parts, self.num_pages, self.page_size = dict(parts), num_pages, page_size
         self.dtype = dtype
+        self.states = states or StatePool({}, 0, dtype, device)   # per-request parts (kv/states.py)
         self._write_kernel = write_kernel      # a fused scatter of K and V (Triton on CUDA), else index_copy_
         slots = num_pages * page_size
         self.storage: dict[str, torch.Tensor] = {}

@@ -1,5 +1,9 @@
 """Page allocation and per-request page tables, on the host. Every rank makes the same decisions.
 
+Models with per-request state (``kv/states.py``) also take state slots here, in the same
+transaction: every request of a batch gets a spare slot that its new state is written to; commit
+makes it the request's slot (freeing the old one), rollback frees it.
+
 Page ids live in int64 numpy arrays (the free stack and each request's row), so a batch's page table
 is filled without turning Python ints into tensors one by one.
 """
@@ -20,13 +24,18 @@ def _no_pages() -> np.ndarray:
 class RequestKV:
     pages: np.ndarray = field(default_factory=_no_pages)     # int64 page ids, in token order
     cached_len: int = 0
+    state_slot: int = 0          # committed per-request state (0: none yet)
+    next_state_slot: int = 0     # where the batch in flight writes it (0: no batch in flight)
 
 
 class PageTable:
     """Owns the free pages (page 0 is reserved for the dummy slot) and each rid's pages."""
 
-    def __init__(self, num_pages: int, page_size: int, max_context: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, max_context: int,
+                 state_slots: int = 0) -> None:
         self.page_size = page_size
+        self.state_slots = state_slots
+        self._free_states = list(range(state_slots, 0, -1))     # a stack: slot 1 handed out first
         self.max_context = max_context
         # A stack: the top (the end) is handed out first, low page ids first.
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
@@ -73,6 +82,12 @@ class PageTable:
         if need > self._top:
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
                                f"only {self.tokens_free} are free; release finished requests")
+        if self.state_slots and len(rids) > len(self._free_states):
+            held = sum(1 for r in requests.values() if r.state_slot)
+            first = rids[len(self._free_states)]
+            raise RequestError(f"request {first!r}: no free per-request state slot ({held} "
+                               "requests hold one, a batch writes each of its requests to a spare "
+                               "one); release finished requests or raise --max-state-requests")
 
     def allocate(self, rids: list[str], extend_lens: list[int]) -> list[np.ndarray]:
         """Grow each request's pages for its new tokens; returns the undo list of new pages per request."""
@@ -83,12 +98,18 @@ class PageTable:
             new = self._free[self._top - k:self._top][::-1].copy()     # the stack's top k, top first
             self._top -= k
             state.pages = np.concatenate((state.pages, new)) if len(state.pages) else new
+            if self.state_slots:
+                state.next_state_slot = self._free_states.pop()
             added.append(new)
         return added
 
     def commit(self, rids: list[str], extend_lens: list[int]) -> None:
         for rid, n in zip(rids, extend_lens):
-            self.requests[rid].cached_len += n
+            state = self.requests[rid]
+            state.cached_len += n
+            if state.next_state_slot:
+                self._free_state(state.state_slot)
+                state.state_slot, state.next_state_slot = state.next_state_slot, 0
 
     def rollback(self, rids: list[str], added: list[np.ndarray]) -> None:
         """Undo ``allocate`` exactly, free-stack order included (last request first)."""
@@ -96,6 +117,8 @@ class PageTable:
             state = self.requests[rid]
             state.pages = state.pages[:len(state.pages) - len(new)]
             self._push(new)
+            self._free_state(state.next_state_slot)
+            state.next_state_slot = 0
             if not len(state.pages) and state.cached_len == 0:
                 del self.requests[rid]
 
@@ -104,6 +127,20 @@ class PageTable:
         if state is None:
             raise RequestError(f"request {rid!r} is unknown: nothing to release")
         self._push(state.pages)
+        self._free_state(state.state_slot)
+
+    def _free_state(self, slot: int) -> None:
+        if slot:
+            self._free_states.append(slot)
+
+    @property
+    def state_slots_free(self) -> int:
+        return len(self._free_states)
+
+    def state_rows(self, rids: list[str]) -> tuple[list[int], list[int]]:
+        """(the committed state slot each request reads, 0 for none; the slot its batch writes)."""
+        requests = [self.requests[rid] for rid in rids]
+        return [r.state_slot for r in requests], [r.next_state_slot for r in requests]
 
     def _push(self, pages: np.ndarray) -> None:
         """Return pages to the stack so that the first of them is handed out first again."""

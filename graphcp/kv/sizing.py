@@ -21,12 +21,16 @@ def free_memory(device: torch.device, ranks_sharing: int) -> int:
 
 def kv_tokens(max_total_tokens: int | None, bytes_per_token: int, device: torch.device, ranks_sharing: int,
               max_positions: int, max_batch_requests: int, page_size: int,
-              agree_min: Callable[[int], int] = lambda n: n) -> int:
+              agree_min: Callable[[int], int] = lambda n: n, reserved: int = 0) -> int:
     """--max-total-tokens (checked against free memory), else a share of free memory. ``agree_min`` takes
     the minimum over every rank: ranks read free memory at different moments (ranks sharing a GPU see
     each other's allocations), and every rank must hold the same number of pages, or the planner
-    would refuse a batch on one rank only while its peers wait in a collective."""
-    free = agree_min(free_memory(device, ranks_sharing))
+    would refuse a batch on one rank only while its peers wait in a collective. ``reserved``: bytes
+    the pool holds beside its pages (per-request state), taken from the free memory first."""
+    free = agree_min(free_memory(device, ranks_sharing)) - reserved
+    if free <= 0:
+        raise ConfigError(f"the per-request state needs {reserved / 2**30:.2f} GiB per rank, "
+                          "more than is free; lower --max-state-requests")
     if max_total_tokens is not None:
         need = max_total_tokens * bytes_per_token
         if need > 0.9 * free:

@@ -10,6 +10,8 @@ from graphcp.models.deepseek_v4_config import (V4_ARCHITECTURES, DeepseekV4Confi
                                                v4_attention_kinds, v4_fields)
 from graphcp.models.dsa_config import MLA_ARCHITECTURES, DSAConfig, dsa_fields
 from graphcp.models.gguf import hf_config, is_gguf
+from graphcp.models.hybrid_config import (HYBRID_ARCHITECTURES, HYBRID_DEFAULTS, HYBRID_MODEL_TYPES,
+                                          HybridConfig, hybrid_fields, hybrid_kinds, hybrid_rope)
 from graphcp.models.rope import DEFAULT_THETA, read_rope, rope_positions
 
 ARCHITECTURES = {
@@ -20,12 +22,13 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3",
     **MLA_ARCHITECTURES,
     **V4_ARCHITECTURES,
+    **HYBRID_ARCHITECTURES,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                 "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                "deepseek_v4": "DeepseekV4ForCausalLM"}
+                "deepseek_v4": "DeepseekV4ForCausalLM", **HYBRID_MODEL_TYPES}
 # transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
 # another fallback (tests/test_config_fields.py checks every field against the classes).
 _QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
@@ -45,6 +48,7 @@ _HF_DEFAULTS = {
                                  routed_scaling_factor=2.5, n_shared_experts=1, n_group=1,
                                  topk_group=1),
     "DeepseekV4ForCausalLM": {},          # its own defaults (models/deepseek_v4_config.py)
+    **HYBRID_DEFAULTS,
 }
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512, "intermediate_size": 1 << 19,
@@ -55,7 +59,7 @@ LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512,
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    family: str                  # llama | qwen2 | qwen3
+    family: str                  # the model class (models/families.py): llama, qwen3, hybrid, ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -81,6 +85,7 @@ class ModelConfig:
     norm_topk_prob: bool = False        # renormalise the top-k probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     dsa: DSAConfig | None = None        # MLA models (DSA: with the lightning indexer; models/dsa_config.py)
+    hybrid: HybridConfig | None = None  # Gated DeltaNet + gated attention (models/hybrid_config.py)
     v4: DeepseekV4Config | None = None  # DeepSeek V4 (models/deepseek_v4_config.py)
     attention_kinds: tuple[str, ...] = ()   # per layer: the attention kind (graphcp/attention/kinds.py)
 
@@ -119,6 +124,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
                           f"(supported: {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
     raw = {**_HF_DEFAULTS[arch], **_expert_count(raw, arch)}
+    if arch == "Qwen3_5MoeForCausalLM":     # every layer is MoE: no dense FFN size of its own
+        raw.setdefault("intermediate_size", raw.get("moe_intermediate_size"))
     # transformers builds model_type's class (AutoModelForCausalLM), whatever architectures names.
     built = _MODEL_TYPES.get(raw.get("model_type", ""), arch)
     if built != arch:
@@ -163,23 +170,32 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (attention_bias and arch != "MistralForCausalLM"),
         qk_norm=family == "qwen3",
-        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        o_bias=attention_bias and (family == "hybrid" or arch in (
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
         fp8_block=fp8_block, fp8_skip=fp8_skip,
     )
-    if arch == "Qwen3MoeForCausalLM":
+    if arch == "Qwen3_5MoeForCausalLM":       # its router always renormalises the top-k
+        raw = {**raw, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch in ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM") or (
+            arch == "Qwen3NextForCausalLM" and raw.get("num_experts")):
         cfg = replace(cfg, **_moe_fields(raw, cfg.num_hidden_layers, need))
     if arch in MLA_ARCHITECTURES:
         cfg = replace(cfg, **dsa_fields(raw, arch, cfg.num_hidden_layers, need))
-    theta, scaling = read_rope(raw, cfg.head_dim, cfg.max_position_embeddings)
+    rope_raw, rope_dim = raw, cfg.head_dim
+    if family == "hybrid":       # RoPE covers the first rotary_dim of each full-attention head
+        cfg = replace(cfg, hybrid=hybrid_fields(raw, arch, cfg.num_hidden_layers, head_dim, need))
+        rope_raw, rope_dim = hybrid_rope(raw), cfg.hybrid.rotary_dim
+    theta, scaling = read_rope(rope_raw, rope_dim, cfg.max_position_embeddings)
     cfg = replace(cfg, rope_theta=theta, rope_scaling=scaling)
     if not 1 <= cfg.max_positions <= LIMITS["max_position_embeddings"]:
         raise ConfigError(f"--model-path: {source} gives {cfg.max_positions} positions "
                           "(max_position_embeddings and the rope scaling); the limit is "
                           f"{LIMITS['max_position_embeddings']}")
-    kind = "gqa" if cfg.dsa is None else "dsa" if cfg.dsa.index_topk else "mla"
-    cfg = replace(cfg, attention_kinds=(kind,) * cfg.num_hidden_layers)
+    mla_kind = "gqa" if cfg.dsa is None else "dsa" if cfg.dsa.index_topk else "mla"
+    kinds = (hybrid_kinds(cfg.hybrid) if cfg.hybrid is not None else (mla_kind,) * cfg.num_hidden_layers)
+    cfg = replace(cfg, attention_kinds=kinds)
     params = cfg.num_hidden_layers * (hidden * (cfg.q_size * 2 + cfg.kv_size * 2) + 3 * hidden * cfg.intermediate_size)
     params += len(cfg.moe_layers) * cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
     params += cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)

@@ -7,11 +7,12 @@ from graphcp.config import EngineArgs, check_model_fits
 from graphcp.models.config import ModelConfig, check_expert_parallel, read_model_config
 from graphcp.models.deepseek_v4_config import check_v4_flags
 from graphcp.models.dsa_config import check_dsa_flags, check_mla_flags
+from graphcp.models.hybrid_config import check_hybrid_flags
 
 # Flags a family restricts further (its errors name the flag).
 FLAG_CHECKS: dict[str, Callable[[EngineArgs], None]] = {
     "deepseek_v32": check_dsa_flags, "glm_moe_dsa": check_dsa_flags, "deepseek_v3": check_mla_flags,
-    "deepseek_v4": check_v4_flags,
+    "deepseek_v4": check_v4_flags, "hybrid": check_hybrid_flags,
 }
 
 

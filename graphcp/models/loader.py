@@ -187,8 +187,10 @@ def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple], reader
         hint = " (quantization_config fp8 needs one per projection weight)" if missing[0] in scales else ""
         raise ConfigError(f"--model-path: checkpoint lacks {len(missing)} tensors, e.g. "
                           f"{label(missing[0])!r}{hint}")
-    # DSA checkpoints carry a multi-token-prediction layer after the last one, which HF skips too.
-    mtp = f"model.layers.{cfg.num_hidden_layers}." if cfg.dsa is not None else None
+    # DSA checkpoints carry a multi-token-prediction layer after the last one, Qwen3-Next and Qwen3.5
+    # an ``mtp.`` module; HF skips both.
+    mtp = (f"model.layers.{cfg.num_hidden_layers}." if cfg.dsa is not None
+           else "mtp." if cfg.hybrid is not None else None)
     unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")
                   and not (mtp and n.startswith(mtp))]

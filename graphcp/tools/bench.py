@@ -13,9 +13,11 @@ import time
 
 import torch
 
+from graphcp.config import resolve_dtype
 from graphcp.models.config import read_model_config
 from graphcp.tools.cli import engine_args, engine_parser
 from graphcp.tools.dsa_balance import dsa_table, v4_table
+from graphcp.tools.linear_balance import linear_table
 
 DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
 
@@ -160,6 +162,11 @@ def run(argv: list[str]) -> int:
         print(table)
     if model_cfg.v4 is not None:     # the same for DeepSeek V4's CSA indexers and all layers' keys
         table, report["v4_balance"] = v4_table(cases, balance_cp, model_cfg.v4)
+        print(table)
+    hybrid = read_model_config(args.model_path).hybrid
+    if hybrid is not None:     # the linear layers' work per zigzag rank, their exchange per layer
+        dtype = resolve_dtype(args.dtype, torch.device(args.resolved_device()))
+        table, report["linear_balance"] = linear_table(cases, balance_cp, hybrid, dtype)
         print(table)
     moe = moe_traffic(args, cases, vocab)
     if moe:
