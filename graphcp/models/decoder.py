@@ -1,8 +1,10 @@
-"""The decoder every family shares: embedding, a stack of (norm, mixer, norm, FFN) layers with the
-residual add fused into the norm that follows it, the final norm and the LM head; pipeline stages build
-only their layers, the first the embedding, the last the norm and head. A family gives its layers'
-mixer and FFN (``make_layer``) and what a layer takes for positions (``position_inputs``: the llama
-family's positions, DSA's cos/sin tables).
+"""The decoder every family shares: embedding, a stack of layers, the final norm and the LM head;
+pipeline stages build only their layers, the first the embedding, the last the norm and head. A family
+gives its layers (``make_layer``), what every layer takes per forward (``position_inputs``: the llama
+family's positions, DSA's cos/sin tables; ``layer_inputs`` when the token ids are needed too) and, if
+its layers carry something else than (delta, residual) from layer to layer, how the stream starts,
+reads and ends (``enter``/``stream``/``leave``: DeepSeek V4's hyper-connection streams). The default
+layer is (norm, mixer, norm, FFN) with the residual add fused into the norm that follows it.
 
 Heads and the vocabulary are split over the attention TP group (``tp``), MLP features over the FFN TP
 group (``ffn_tp``, the whole TP world).
@@ -85,20 +87,38 @@ class DecoderLM(nn.Module):
         """What each layer's mixer takes for this rank's token positions."""
         return positions
 
+    def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     dtype: torch.dtype) -> Any:
+        """What every layer takes besides the stream, once per forward."""
+        return self.position_inputs(positions, dtype)
+
+    def enter(self, hidden: torch.Tensor) -> tuple:
+        """The state layers pass on, from the embedding (or a previous stage's hidden state)."""
+        return hidden, None
+
+    def stream(self, state: tuple) -> torch.Tensor:
+        """The residual stream of a state (what a speculative draft reads entering a layer)."""
+        delta, residual = state
+        return delta if residual is None else residual + delta
+
+    def leave(self, state: tuple) -> torch.Tensor:
+        """The hidden state after the last layer, before the final norm."""
+        return self.stream(state)
+
     # -- the shared forward ---------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, hidden: torch.Tensor | None = None,
                 capture_layers: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, list]:
         """Residual stream for this rank's tokens after this stage's layers, before the final norm. With
         ``capture_layers`` (ids of this stage's layers), also the residual stream entering each of them, in
         that order (HF's ``hidden_states[i]``; speculative drafts read them)."""
-        delta, residual = self.model.embed_tokens(input_ids) if hidden is None else hidden, None
-        pos = self.position_inputs(positions, delta.dtype)
-        captured = {}
+        first = self.model.embed_tokens(input_ids) if hidden is None else hidden
+        inputs = self.layer_inputs(input_ids, positions, first.dtype)
+        state, captured = self.enter(first), {}
         for i, layer in self.model.layers.items():
             if capture_layers is not None and int(i) in capture_layers:
-                captured[int(i)] = delta if residual is None else residual + delta
-            delta, residual = layer(pos, delta, residual)
-        out = delta if residual is None else residual + delta
+                captured[int(i)] = self.stream(state)
+            state = layer(inputs, *state)
+        out = self.leave(state)
         return out if capture_layers is None else (out, [captured[i] for i in capture_layers])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,11 @@ hyper head, the norm and the LM head. One pipeline stage, attention TP 1; the ex
 through the MoE communicator."""
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
 
 from graphcp.models.config import ModelConfig
+from graphcp.models.decoder import DecoderLM
 from graphcp.models.deepseek_v4_attention import V4Attention
 from graphcp.models.deepseek_v4_config import SLIDING
 from graphcp.models.deepseek_v4_rope import V4Rotary, V4RMSNorm
@@ -42,76 +41,61 @@ class V4DecoderLayer(nn.Module):
         self.post_attention_layernorm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         hc = (cfg.hidden_size, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, cfg.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
+        self.experts = cfg.num_experts
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor,
-                ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """streams [T, hc_mult, hidden] -> the same after attention and MoE. ``ropes``: cos/sin of
-        the main (True) and compress (False) rotaries at this forward's positions."""
+    def forward(self, inputs: tuple[torch.Tensor, dict],
+                streams: torch.Tensor) -> tuple[torch.Tensor]:
+        """streams [T, hc_mult, hidden] -> the same after attention and MoE. ``inputs``: the token ids
+        and the cos/sin of the main (True) and compress (False) rotaries at this forward's positions."""
+        token_ids, ropes = inputs
         cos, sin = ropes[self.sliding]
         post, comb, x = self.attn_hc(streams)
         out = self.self_attn(self.input_layernorm(x), cos, sin)
         streams = HyperConnection.merge(streams, out, post, comb)
         post, comb, x = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x), token_ids)
-        return HyperConnection.merge(streams, out, post, comb)
+        return (HyperConnection.merge(streams, out, post, comb),)
+
+    def fuse(self) -> None:
+        """Nothing to fuse; checks the hash-routing table once its values are loaded."""
+        self.mlp.gate.check_table(self.experts)
 
 
-class V4Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotaries: V4Rotaries, ep: EPInfo) -> None:
-        super().__init__()
-        v4 = cfg.v4
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): V4DecoderLayer(cfg, i, rotaries, ep)
-                                     for i in range(cfg.num_hidden_layers)})
-        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hc_head = HyperHead(cfg.hidden_size, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps)
-
-
-class DeepseekV4CausalLM(nn.Module):
-    """The interface of ``llama.CausalLM`` (forward, compute_logits, fuse_projections,
-    source_name); one pipeline stage holding every layer."""
+class DeepseekV4CausalLM(DecoderLM):
+    """On the shared decoder: the stream from layer to layer is the hyper-connection streams
+    [T, hc_mult, hidden], entered by copying the embedding, left through the hyper head. One pipeline
+    stage, attention TP 1; every layer takes the token ids (hash routing) and both rotaries."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
                  ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
-        super().__init__()
         split_stage = layers is not None and len(layers) != cfg.num_hidden_layers
         if (tp is not None and tp.size > 1) or split_stage:
             raise ValueError("DeepSeek V4 runs with attention TP 1 and one pipeline stage")
-        self.config, self.tp = cfg, TPInfo()
-        self.layer_range, self.is_first, self.is_last = range(cfg.num_hidden_layers), True, True
-        self.rotary = V4Rotaries(cfg)
-        self.model = V4Backbone(cfg, self.rotary, ep or EPInfo())
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, TPInfo(), None, ffn_tp, ep)
+        v4 = cfg.v4
+        self.model.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.hc_head = HyperHead(cfg.hidden_size, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                hidden: torch.Tensor | None = None,
-                capture_layers: Sequence[int] | None = None) -> torch.Tensor:
-        """This rank's tokens -> their hidden state after the hyper head, before the final norm
-        (the hyper head is per token, so logits rows can be picked from it); with
-        ``capture_layers`` (none: the engine refuses aux layers for V4) also the empty list."""
-        if input_ids is None or hidden is not None or capture_layers:
-            raise ValueError("DeepSeek V4 runs as one stage from token ids, without captured "
-                             "layers")
-        x = self.model.embed_tokens(input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
-        ropes = {True: self.rotary.main(positions, x.dtype),
-                 False: self.rotary.compress(positions, x.dtype)}
-        for layer in self.model.layers.values():
-            streams = layer(streams, input_ids, ropes)
-        out = self.model.hc_head(streams)
-        return out if capture_layers is None else (out, [])
+    def make_rotary(self, cfg: ModelConfig) -> V4Rotaries:
+        return V4Rotaries(cfg)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
-        return nn.functional.linear(self.model.norm(hidden), head.weight).float()
+    def make_layer(self, cfg: ModelConfig, layer: int, tp: TPInfo, ffn_tp: TPInfo,
+                   ep: EPInfo) -> V4DecoderLayer:
+        return V4DecoderLayer(cfg, layer, self.rotary, ep)
 
-    def fuse_projections(self) -> None:
-        """Nothing to fuse; checks the hash-routing tables once their values are loaded."""
-        for layer in self.model.layers.values():
-            layer.mlp.gate.check_table(self.config.num_experts)
+    def layer_inputs(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        if input_ids is None:
+            raise ValueError("DeepSeek V4 runs as one stage from token ids")
+        ropes = {True: self.rotary.main(positions, dtype), False: self.rotary.compress(positions, dtype)}
+        return input_ids, ropes
 
-    def source_name(self, name: str) -> str:
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return "model.embed_tokens.weight"
-        return name
+    def enter(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous(),)
+
+    def stream(self, state: tuple) -> torch.Tensor:
+        raise ValueError("DeepSeek V4 returns no aux hidden states (the engine refuses them)")
+
+    def leave(self, state: tuple) -> torch.Tensor:
+        """The hyper head is per token, so logits rows can be picked from its output."""
+        return self.model.hc_head(state[0])
