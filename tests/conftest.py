@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,6 +57,14 @@ class _Engines:
     def __init__(self, max_multi: int = 3) -> None:
         self.engines: dict[tuple, Engine] = {}
         self.max_multi = max_multi
+        self.closing: list[threading.Thread] = []
+
+    def _close_later(self, engine: Engine) -> None:
+        """An evicted engine's ranks stop in the background (a graceful stop waits on every rank's
+        exit); the next test does not wait for it."""
+        thread = threading.Thread(target=engine.close, name="close-engine", daemon=True)
+        thread.start()
+        self.closing.append(thread)
 
     def get(self, model_path: str, **kwargs) -> Engine:
         kwargs.setdefault("max_total_tokens", 8192)
@@ -65,14 +74,16 @@ class _Engines:
             return self.engines[key]
         multi = [k for k, e in self.engines.items() if e.args.world_size > 1]
         if EngineArgs(model_path=model_path, **kwargs).world_size > 1 and len(multi) >= self.max_multi:
-            self.engines.pop(multi[0]).close()
+            self._close_later(self.engines.pop(multi[0]))
         engine = Engine(EngineArgs(model_path=model_path, **kwargs))
         self.engines[key] = engine
         return engine
 
     def close(self) -> None:
         for engine in self.engines.values():
-            engine.close()
+            self._close_later(engine)
+        for thread in self.closing:
+            thread.join(timeout=60)
         self.engines.clear()
 
 

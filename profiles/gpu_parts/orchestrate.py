@@ -4,7 +4,7 @@ watchdog.
 A child process per part means a CUDA fault (a sticky illegal-address error poisons the whole
 context), a hang in a collective or a crash costs that part only: it is killed with its rank
 processes and recorded FAILED with the tail of its output, and the next part starts on a fresh
-context.
+context. A dry run (CPU, no context to protect) runs the parts in the driver's process.
 """
 from __future__ import annotations
 
@@ -73,10 +73,23 @@ def run_parts(rep: Report, keys: str, driver: str, workdir: str, run_budget_s: f
             rep.set_part(part.key, name, INCOMPLETE, f"not run: time budget ({left:.0f} s left of "
                          f"the run, part budget {part.budget(rep.dry_run):.0f} s)")
             continue
-        run_child(rep, part, name, driver, workdir, min(part.budget(rep.dry_run), left))
+        budget = min(part.budget(rep.dry_run), left)
+        if rep.dry_run:          # no CUDA context to isolate: the parts share this process (one torch import)
+            run_here(rep, part, name, workdir, budget)
+        else:
+            run_child(rep, part, name, driver, workdir, budget)
         p = rep.parts[part.key]
         print(f"   part {part.key}: {p['status']} in {p['seconds']} s"
               + (f" - {p['note']}" if p["note"] else ""), flush=True)
+
+
+def run_here(rep: Report, part: Part, name: str, workdir: str, budget_s: float) -> None:
+    """A dry-run part in the driver's process (the child's code path, without the child)."""
+    result = os.path.join(workdir, f"part_{part.key}.json")
+    t = time.monotonic()
+    child_main(part.key, True, workdir, budget_s, result)
+    with open(result) as f:
+        rep.merge_part(part.key, name, json.load(f), time.monotonic() - t)
 
 
 def run_child(rep: Report, part: Part, name: str, driver: str, workdir: str,
