@@ -90,7 +90,7 @@ class KernelSpec:
 
 _FI = "graphcp.kernels.flashinfer_attention"
 KERNELS = {
-    "torch": KernelSpec("torch", "graphcp.kernels.torch_ref", "torch_paged_attention", False),
+    "torch": KernelSpec("torch", "graphcp.kernels.torch_sdpa", "torch_sdpa_attention", False),
     "triton": KernelSpec("triton", "graphcp.kernels.triton_attention", "triton_paged_attention",
                          True),
     "flashinfer-trtllm": KernelSpec("flashinfer-trtllm", _FI, "flashinfer_trtllm_attention", True),

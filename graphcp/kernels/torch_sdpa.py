@@ -1,0 +1,141 @@
+"""Paged variable-length attention on torch's fused CPU attention: the contract of ``torch_paged_attention``.
+
+torch's flash kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu``) skips the masked half of a
+causal square and never materialises scores, but its ``is_causal`` is top-left aligned and it takes one
+query/key length per call. So each sequence's keys are split where its queries' limits start:
+- keys [0, split) every query of the block sees: one unmasked call;
+- keys [split, end) along the diagonal: a causal call where the limits step by one (a plain sequence,
+  a zigzag block), else a call with an additive mask (interleave's strided limits, in row blocks so the
+  masked part stays narrow);
+and the two partial results are merged exactly by their log-sum-exp. Sequences of the same shape share
+calls; rows past the last sequence are zeros. On CUDA (where the torch kernel is only a fallback) the
+reference kernel runs instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.kernels.torch_ref import per_forward, torch_paged_attention
+
+_MASKED_BLOCK_ROWS = 128    # rows per block where limits stride (interleave): the masked part is about
+                            # rows x rows x cp keys, small beside the unmasked part at long prompts
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass
+class _Block:
+    """Query rows [row_start, row_end) of a group; they see keys [0, split) all, keys [split, end) by
+    ``limits`` (None: top-left causal, the square ``end - split == row_end - row_start``)."""
+    row_start: int
+    row_end: int
+    split: int
+    end: int
+    limits: torch.Tensor | None
+
+
+@dataclass
+class _Group:
+    """Sequences of one shape: their query rows [G, q_len] (a slice for one contiguous sequence) and KV
+    slots [G, kv_len], read once per layer and shared by the group's blocks."""
+    rows: torch.Tensor | slice
+    slots: torch.Tensor
+    blocks: list[_Block]
+
+
+def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+          page_size: int) -> tuple[int, bool, list[_Group]]:
+    """(rows in sequences, whether a sequence sees no key, the groups): layer-independent, made once per
+    forward on the host."""
+    cu = cu_seqlens_q.tolist()
+    used = cu[-1]
+    limits = q_limits[:used]
+    # A sequence is plain causal when its limits step by exactly one (bad steps counted per sequence).
+    bad = torch.cat([limits.new_zeros(1), torch.cumsum(limits[1:] - limits[:-1] != 1, 0)])
+    starts = torch.tensor(cu[:-1]).clamp(max=max(used - 1, 0))
+    ends = (torch.tensor(cu[1:]) - 1).clamp(min=0)
+    firsts, lasts = limits[starts].tolist() if used else [], limits[ends].tolist() if used else []
+    steps = (bad[ends] - bad[starts]).tolist() if used else []
+    shapes: dict[tuple[int, int], list[int]] = {}
+    groups, blind = [], False
+    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if b == a or lasts[s] <= 0:
+            blind |= b > a
+            continue
+        if steps[s] == 0 and firsts[s] >= 1:
+            shapes.setdefault((b - a, lasts[s]), []).append(s)
+        else:
+            groups.append(_strided_group(s, a, b, limits[a:b], page_rows, page_size))
+    for (q_len, kv_len), seqs in shapes.items():
+        rows = slice(cu[seqs[0]], cu[seqs[0]] + q_len) if len(seqs) == 1 else \
+            torch.tensor([cu[s] for s in seqs])[:, None] + torch.arange(q_len)[None, :]
+        block = _Block(0, q_len, kv_len - q_len, kv_len, None)
+        groups.append(_Group(rows, _slots(page_rows[seqs], kv_len, page_size), [block]))
+    return used, blind, groups
+
+
+def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
+                   page_size: int) -> _Group:
+    """One sequence whose limits do not step by one, in row blocks. A block's keys from its first
+    query's limit minus one are masked, so every masked row sees at least one key."""
+    bounds = list(range(0, end - start, _MASKED_BLOCK_ROWS)) + [end - start]
+    firsts = limits[bounds[:-1]].tolist()
+    lasts = limits[[b - 1 for b in bounds[1:]]].tolist()
+    blocks = [_Block(a, b, max(first - 1, 0), last, limits[a:b])
+              for a, b, first, last in zip(bounds[:-1], bounds[1:], firsts, lasts)]
+    return _Group(slice(start, end), _slots(page_rows[[seq]], lasts[-1], page_size), blocks)
+
+
+def _slots(page_rows: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor:
+    key_pos = torch.arange(kv_len)
+    pages = page_rows[:, torch.div(key_pos, page_size, rounding_mode="floor")]
+    return pages * page_size + torch.remainder(key_pos, page_size)                 # [G, kv_len]
+
+
+def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
+                         max_q: int, max_kv: int, out: torch.Tensor, *,
+                         workspace: dict | None = None) -> torch.Tensor:
+    """Same contract as ``torch_paged_attention``; ``max_q``/``max_kv`` only tell an empty batch apart.
+    Off the CPU (the torch fallback on CUDA) the reference kernel serves: the fused kernel here is CPU's."""
+    if q.device.type != "cpu":
+        return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale,
+                                     max_q, max_kv, out, workspace=workspace)
+    if max_q == 0 or max_kv == 0:
+        return out.zero_()
+    used, blind, groups = per_forward(workspace, f"sdpa{page_size}", (cu_seqlens_q, page_rows, q_limits),
+                               lambda: _plan(cu_seqlens_q, page_rows, q_limits, page_size))
+    (out if blind else out[used:]).zero_()
+    for group in groups:
+        k = k_pool[group.slots].transpose(1, 2)                                    # [G, Hkv, kv_len, D]
+        v = v_pool[group.slots].transpose(1, 2)
+        one = isinstance(group.rows, slice)
+        qg = q[group.rows].unsqueeze(0) if one else q[group.rows]                  # [G, q_len, Hq, D]
+        og = out[group.rows].unsqueeze(0) if one else torch.empty_like(qg)
+        for block in group.blocks:
+            rows = slice(block.row_start, block.row_end)
+            o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)     # [G, Hq, n, D]
+            og[:, rows] = o.transpose(1, 2)
+        if not one:
+            out[group.rows] = og
+    return out
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
+                  scale: float) -> torch.Tensor:
+    diagonal = slice(block.split, block.end)
+    if block.limits is None:
+        o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], is_causal=True, scale=scale)
+    else:
+        keys = torch.arange(block.split, block.end)
+        mask = torch.zeros(block.limits.shape[0], keys.shape[0], dtype=q.dtype)
+        mask.masked_fill_(keys[None, :] >= block.limits[:, None], float("-inf"))
+        o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], attn_mask=mask, scale=scale)
+    if block.split == 0:
+        return o
+    prefix = slice(0, block.split)
+    o_prefix, lse_prefix = _flash(q, k[:, :, prefix], v[:, :, prefix], scale=scale)
+    # softmax over both parts = a weighted mean of the parts' softmaxes, weights exp(lse) / sum
+    weight = torch.sigmoid(lse_prefix - lse).unsqueeze(-1)
+    return torch.lerp(o.float(), o_prefix.float(), weight).to(o.dtype)

@@ -1,0 +1,142 @@
+"""The fused-SDPA CPU kernel against the torch oracle on random paged batches: cached prefixes, zigzag's
+early and late blocks, interleave's strided limits, GQA, empty sequences and padding rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcp.cp.metadata import interleave_metadata, zigzag_metadata
+from graphcp.kernels import torch_sdpa
+from graphcp.kernels.registry import kernel_fn
+from graphcp.kernels.torch_ref import torch_paged_attention
+from graphcp.kernels.torch_sdpa import torch_sdpa_attention
+
+HQ, D = 4, 32
+
+
+def _pools(gen: torch.Generator, kv_lens: list[int], rows: int, page_size: int, hkv: int):
+    """Shuffled distinct pages per row (page 0 stays the dummy) and random K/V pools."""
+    pages = max(1, max(-(-kv // page_size) for kv in kv_lens))
+    num_pages = 1 + rows * pages + 2
+    table = (torch.randperm(num_pages - 1, generator=gen)[: rows * pages] + 1).view(rows, pages)
+    shape = (num_pages * page_size, hkv, D)
+    return table, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _check(q, k_pool, v_pool, cu, page_rows, limits, page_size, workspace=None) -> float:
+    n = int(cu[-1])
+    lens = (cu[1:] - cu[:-1]).tolist()
+    max_q, max_kv = max(lens), int(limits[:n].max()) if n else 0
+    ref = torch_paged_attention(q, k_pool, v_pool, cu, page_rows, limits, page_size, D ** -0.5, max_q, max_kv,
+                                torch.empty_like(q))
+    out = torch.full_like(q, float("nan"))          # every row must be written, padding included
+    res = torch_sdpa_attention(q, k_pool, v_pool, cu, page_rows, limits, page_size, D ** -0.5, max_q, max_kv,
+                               out, workspace=workspace)
+    assert res is out and not torch.isnan(out).any()
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows must be zero"
+    err = (out - ref).abs().max().item()
+    assert err <= 2e-6 * max(1.0, ref.abs().max().item()), f"max abs error {err}"
+    return err
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), strategy=st.sampled_from(["zigzag", "interleave"]),
+       cp=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([1, 4, 16]),
+       extend=st.lists(st.integers(0, 90), min_size=1, max_size=5),
+       prefix=st.lists(st.integers(0, 70), min_size=5, max_size=5), pad=st.integers(0, 5))
+def test_cp_layouts_match_reference(seed, strategy, cp, group, page_size, extend, prefix, pad):
+    """Every rank's batch as the CP metadata lays it out: zigzag's 2R sequences (empty ones included) and
+    interleave's per-request strided limits, with cached prefixes and padding rows after the sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    extend_t = torch.tensor(extend)
+    if int(extend_t.sum()) == 0:
+        extend_t[0] = 1
+    prefix_t = torch.tensor(prefix[: len(extend)]) * (extend_t > 0)
+    kv = (extend_t + prefix_t).tolist()
+    table, k_pool, v_pool = _pools(gen, kv, len(kv), page_size, HQ // group)
+    local_cap = -(-int(extend_t.sum()) // cp) + 1 + pad
+    make = zigzag_metadata if strategy == "zigzag" else interleave_metadata
+    for rank in range(cp):
+        meta = make(extend_t, prefix_t, table, cp, rank, local_cap, page_size)
+        q = torch.randn(local_cap, HQ, D, generator=gen)
+        _check(q, k_pool, v_pool, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=4),
+       group=st.sampled_from([1, 2]), page_size=st.sampled_from([1, 16]), pad=st.integers(0, 4))
+def test_any_nondecreasing_limits_match_reference(seed, q_lens, group, page_size, pad):
+    """The contract's general case: any limits that never decrease within a sequence (runs of causal
+    steps, jumps, repeats), long enough to span several masked row blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    limits = []
+    for n in q_lens:
+        steps = torch.randint(0, 4, (n,), generator=gen) * (torch.rand(n, generator=gen) < 0.5)
+        limits += (torch.randint(1, 40, (1,), generator=gen) + torch.cumsum(steps, 0)).tolist()
+    kv = [max(limits[a:a + n], default=0) for a, n in zip([sum(q_lens[:i]) for i in range(len(q_lens))], q_lens)]
+    table, k_pool, v_pool = _pools(gen, kv, len(kv), page_size, HQ // group)
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
+    if int(cu[-1]) == 0:
+        return
+    q = torch.randn(int(cu[-1]) + pad, HQ, D, generator=gen)
+    _check(q, k_pool, v_pool, cu, table, torch.tensor(limits + [0] * pad), page_size)
+
+
+def test_same_shape_sequences_share_calls_and_workspace(monkeypatch):
+    """Equal requests (the bench's NxL batches) run as one batched call per part, and a second layer of
+    the same forward reuses the plan from the workspace."""
+    gen = torch.Generator().manual_seed(0)
+    q_lens, prefix, page_size = [64, 64, 64, 40], [0, 0, 0, 24], 16
+    kv = [p + n for p, n in zip(prefix, q_lens)]
+    table, k_pool, v_pool = _pools(gen, kv, 4, page_size, 2)
+    cu = torch.tensor([0, 64, 128, 192, 232])
+    limits = torch.tensor([k - n + i + 1 for n, k in zip(q_lens, kv) for i in range(n)] + [0] * 3)
+    q = torch.randn(235, HQ, D, generator=gen)
+    calls, plans, flash, plan = [], [], torch_sdpa._flash, torch_sdpa._plan
+    monkeypatch.setattr(torch_sdpa, "_flash", lambda *a, **k: calls.append(a[0].shape) or flash(*a, **k))
+    monkeypatch.setattr(torch_sdpa, "_plan", lambda *a: plans.append(1) or plan(*a))
+    workspace: dict = {}
+    for _ in range(2):
+        _check(q, k_pool, v_pool, cu, table, limits, page_size, workspace)
+    # per layer: the 3 equal sequences in one causal call; the prefixed one causal + prefix
+    assert sorted(tuple(s) for s in calls[:3]) == [(1, HQ, 40, D), (1, HQ, 40, D), (3, HQ, 64, D)]
+    assert len(calls) == 6 and len(plans) == 1
+
+
+def test_strided_blocks_and_blind_rows():
+    """Interleave-like limits over more rows than one masked block, and a sequence whose queries see no
+    key (limit 0): its rows are zeros, as are the padding rows, and nothing reads an empty key range."""
+    gen = torch.Generator().manual_seed(1)
+    n, stride, page_size = 3 * torch_sdpa._MASKED_BLOCK_ROWS + 5, 4, 16
+    limits = (torch.arange(n) * stride + 7).tolist()
+    table, k_pool, v_pool = _pools(gen, [limits[-1]], 2, page_size, 2)
+    cu = torch.tensor([0, n, n + 3])
+    q = torch.randn(n + 5, HQ, D, generator=gen)
+    lim = torch.tensor(limits + [0, 0, 0, 0, 0])
+    out = torch.full_like(q, float("nan"))
+    torch_sdpa_attention(q, k_pool, v_pool, cu, table, lim, page_size, D ** -0.5, n, limits[-1], out)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    ref = torch_paged_attention(q[:n], k_pool, v_pool, cu[:2], table[:1], lim[:n], page_size, D ** -0.5, n,
+                                limits[-1], torch.empty_like(q[:n]))
+    assert (out[:n] - ref).abs().max().item() <= 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_low_precision_matches_fp32_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    kv, q_len, page_size = 300, 120, 16
+    table, k_pool, v_pool = _pools(gen, [kv], 1, page_size, 2)
+    q = torch.randn(q_len, HQ, D, generator=gen)
+    cu, limits = torch.tensor([0, q_len]), torch.arange(kv - q_len + 1, kv + 1)
+    ref = torch_paged_attention(q, k_pool, v_pool, cu, table, limits, page_size, D ** -0.5, q_len, kv,
+                                torch.empty_like(q))
+    out = torch.empty(q.shape, dtype=dtype)
+    torch_sdpa_attention(q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), cu, table, limits, page_size,
+                         D ** -0.5, q_len, kv, out)
+    assert (out.float() - ref).abs().max().item() <= 3e-2
+
+
+def test_registry_serves_it_as_the_torch_kernel():
+    assert kernel_fn("torch", torch.device("cpu")) == (torch_sdpa_attention, False)
