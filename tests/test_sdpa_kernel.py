@@ -105,6 +105,28 @@ def test_same_shape_sequences_share_calls_and_workspace(monkeypatch):
     assert len(calls) == 6 and len(plans) == 1
 
 
+@pytest.mark.parametrize("prefix", [0, 37])
+def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
+    """At CP 1 zigzag splits a request into an early and a late block; on one page-table row with limits
+    stepping on by one they are one sequence: one causal call (and one over a cached prefix), reading
+    consecutive pages as a view of the pool."""
+    gen = torch.Generator().manual_seed(3)
+    extend, page_size = 201, 16
+    pages = -(-(extend + prefix) // page_size)
+    table = torch.arange(1, 1 + pages)[None]                      # consecutive pages
+    shape = ((2 + pages) * page_size, 2, D)
+    k_pool, v_pool = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    meta = zigzag_metadata(torch.tensor([extend]), torch.tensor([prefix]), table, 1, 0, extend + 3, page_size)
+    assert meta.cu_seqlens_q.tolist() == [0, 101, 201]
+    calls, flash = [], torch_sdpa._flash
+    monkeypatch.setattr(torch_sdpa, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    q = torch.randn(extend + 3, HQ, D, generator=gen)
+    _check(q, k_pool, v_pool, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+    assert len(calls) == (2 if prefix else 1)
+    _, _, groups = torch_sdpa._plan(meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+    assert groups[0].slots == slice(page_size, page_size + extend + prefix)
+
+
 def test_strided_blocks_and_blind_rows():
     """Interleave-like limits over more rows than one masked block, and a sequence whose queries see no
     key (limit 0): its rows are zeros, as are the padding rows, and nothing reads an empty key range."""

@@ -38,9 +38,10 @@ class _Block:
 @dataclass
 class _Group:
     """Sequences of one shape: their query rows [G, q_len] (a slice for one contiguous sequence) and KV
-    slots [G, kv_len], read once per layer and shared by the group's blocks."""
+    slots [G, kv_len] (a slice for one sequence on consecutive pages), read once per layer and shared by
+    the group's blocks."""
     rows: torch.Tensor | slice
-    slots: torch.Tensor
+    slots: torch.Tensor | slice
     blocks: list[_Block]
 
 
@@ -51,28 +52,41 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
     cu = cu_seqlens_q.tolist()
     used = cu[-1]
     limits = q_limits[:used]
-    # A sequence is plain causal when its limits step by exactly one (bad steps counted per sequence).
-    bad = torch.cat([limits.new_zeros(1), torch.cumsum(limits[1:] - limits[:-1] != 1, 0)])
-    starts = torch.tensor(cu[:-1]).clamp(max=max(used - 1, 0))
-    ends = (torch.tensor(cu[1:]) - 1).clamp(min=0)
-    firsts, lasts = limits[starts].tolist() if used else [], limits[ends].tolist() if used else []
-    steps = (bad[ends] - bad[starts]).tolist() if used else []
-    shapes: dict[tuple[int, int], list[int]] = {}
+    # bad[i]: limit steps other than +1 up to row i; a span of rows is plain causal when none is inside.
+    bad = torch.cat([limits.new_zeros(1), torch.cumsum(limits[1:] - limits[:-1] != 1, 0)]).tolist()
+    shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
     groups, blind = [], False
-    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        if b == a or lasts[s] <= 0:
-            blind |= b > a
-            continue
-        if steps[s] == 0 and firsts[s] >= 1:
-            shapes.setdefault((b - a, lasts[s]), []).append(s)
+    for seq, start, end in _spans(cu, page_rows, bad):
+        first, last = limits[[start, end - 1]].tolist()
+        if last <= 0:
+            blind = True
+        elif bad[end - 1] == bad[start] and first >= 1:
+            shapes.setdefault((end - start, last), []).append((seq, start))
         else:
-            groups.append(_strided_group(s, a, b, limits[a:b], page_rows, page_size))
-    for (q_len, kv_len), seqs in shapes.items():
-        rows = slice(cu[seqs[0]], cu[seqs[0]] + q_len) if len(seqs) == 1 else \
-            torch.tensor([cu[s] for s in seqs])[:, None] + torch.arange(q_len)[None, :]
+            groups.append(_strided_group(seq, start, end, limits[start:end], page_rows, page_size))
+    for (q_len, kv_len), members in shapes.items():
+        seqs, starts = [m[0] for m in members], [m[1] for m in members]
+        rows = slice(starts[0], starts[0] + q_len) if len(seqs) == 1 else \
+            torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]
         block = _Block(0, q_len, kv_len - q_len, kv_len, None)
         groups.append(_Group(rows, _slots(page_rows[seqs], kv_len, page_size), [block]))
     return used, blind, groups
+
+
+def _spans(cu: list[int], page_rows: torch.Tensor, bad: list[int]) -> list[tuple[int, int, int]]:
+    """(sequence, first row, end row) of the non-empty sequences, where a sequence that follows the
+    previous one's rows on the same page-table row with its limits stepping on by one joins it: CP 1's
+    zigzag splits a request into an early and a late block that are one causal sequence."""
+    spans: list[tuple[int, int, int]] = []
+    for seq, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        if end == start:
+            continue
+        if spans and spans[-1][2] == start and bad[start] == bad[start - 1] and \
+                torch.equal(page_rows[spans[-1][0]], page_rows[seq]):
+            spans[-1] = (spans[-1][0], spans[-1][1], end)
+        else:
+            spans.append((seq, start, end))
+    return spans
 
 
 def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
@@ -87,10 +101,23 @@ def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_ro
     return _Group(slice(start, end), _slots(page_rows[[seq]], lasts[-1], page_size), blocks)
 
 
-def _slots(page_rows: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor:
+def _slots(page_rows: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor | slice:
+    """KV slots [G, kv_len]; a slice where one sequence's pages are consecutive (read as a view)."""
     key_pos = torch.arange(kv_len)
     pages = page_rows[:, torch.div(key_pos, page_size, rounding_mode="floor")]
-    return pages * page_size + torch.remainder(key_pos, page_size)                 # [G, kv_len]
+    slots = pages * page_size + torch.remainder(key_pos, page_size)
+    first = int(slots[0, 0])
+    if slots.shape[0] == 1 and torch.equal(slots[0], key_pos + first):
+        return slice(first, first + kv_len)
+    return slots
+
+
+def _read(pool: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    """[G, H, kv_len, D] keys or values of a group."""
+    if isinstance(slots, slice):
+        return pool[slots].unsqueeze(0).transpose(1, 2)
+    rows = pool.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
 
 
 def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -108,8 +135,7 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
                                lambda: _plan(cu_seqlens_q, page_rows, q_limits, page_size))
     (out if blind else out[used:]).zero_()
     for group in groups:
-        k = k_pool[group.slots].transpose(1, 2)                                    # [G, Hkv, kv_len, D]
-        v = v_pool[group.slots].transpose(1, 2)
+        k, v = _read(k_pool, group.slots), _read(v_pool, group.slots)             # [G, Hkv, kv_len, D]
         one = isinstance(group.rows, slice)
         qg = q[group.rows].unsqueeze(0) if one else q[group.rows]                  # [G, q_len, Hq, D]
         og = out[group.rows].unsqueeze(0) if one else torch.empty_like(qg)
