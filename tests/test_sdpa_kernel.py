@@ -1,5 +1,5 @@
-"""The fused-SDPA CPU kernel against the torch oracle on random paged batches: cached prefixes, zigzag's
-early and late blocks, interleave's strided limits, GQA, empty sequences and padding rows."""
+"""The fused-SDPA CPU kernel against the torch oracle on random paged batches: cached prefixes,
+zigzag's early and late blocks, interleave's strided limits, GQA, empty sequences, padding rows."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +14,7 @@ from graphcp.kernels.torch_ref import torch_paged_attention
 from graphcp.kernels.torch_sdpa import torch_sdpa_attention
 
 HQ, D = 4, 32
+SCALE = D ** -0.5
 
 
 def _pools(gen: torch.Generator, kv_lens: list[int], rows: int, page_size: int, hkv: int):
@@ -25,15 +26,20 @@ def _pools(gen: torch.Generator, kv_lens: list[int], rows: int, page_size: int, 
     return table, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def _check(q, k_pool, v_pool, cu, page_rows, limits, page_size, workspace=None) -> float:
+def _run(kernel, q, pools, cu, page_rows, limits, page_size,  # noqa: ANN001
+         out=None, workspace=None):
     n = int(cu[-1])
-    lens = (cu[1:] - cu[:-1]).tolist()
-    max_q, max_kv = max(lens), int(limits[:n].max()) if n else 0
-    ref = torch_paged_attention(q, k_pool, v_pool, cu, page_rows, limits, page_size, D ** -0.5, max_q, max_kv,
-                                torch.empty_like(q))
+    max_q, max_kv = int((cu[1:] - cu[:-1]).max()), int(limits[:n].max()) if n else 0
+    out = torch.empty_like(q) if out is None else out
+    return kernel(q, *pools, cu, page_rows, limits, page_size, SCALE, max_q, max_kv, out,
+                  workspace=workspace)
+
+
+def _check(q, pools, cu, page_rows, limits, page_size, workspace=None) -> float:  # noqa: ANN001
+    n = int(cu[-1])
+    ref = _run(torch_paged_attention, q, pools, cu, page_rows, limits, page_size)
     out = torch.full_like(q, float("nan"))          # every row must be written, padding included
-    res = torch_sdpa_attention(q, k_pool, v_pool, cu, page_rows, limits, page_size, D ** -0.5, max_q, max_kv,
-                               out, workspace=workspace)
+    res = _run(torch_sdpa_attention, q, pools, cu, page_rows, limits, page_size, out, workspace)
     assert res is out and not torch.isnan(out).any()
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows must be zero"
     err = (out - ref).abs().max().item()
@@ -43,63 +49,67 @@ def _check(q, k_pool, v_pool, cu, page_rows, limits, page_size, workspace=None) 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), strategy=st.sampled_from(["zigzag", "interleave"]),
-       cp=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([1, 4, 16]),
+       cp=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 4]),
+       page_size=st.sampled_from([1, 4, 16]),
        extend=st.lists(st.integers(0, 90), min_size=1, max_size=5),
        prefix=st.lists(st.integers(0, 70), min_size=5, max_size=5), pad=st.integers(0, 5))
 def test_cp_layouts_match_reference(seed, strategy, cp, group, page_size, extend, prefix, pad):
-    """Every rank's batch as the CP metadata lays it out: zigzag's 2R sequences (empty ones included) and
-    interleave's per-request strided limits, with cached prefixes and padding rows after the sequences."""
+    """Every rank's batch as the CP metadata lays it out: zigzag's 2R sequences (empty ones too) and
+    interleave's per-request strided limits, with cached prefixes and padding rows at the end."""
     gen = torch.Generator().manual_seed(seed)
     extend_t = torch.tensor(extend)
     if int(extend_t.sum()) == 0:
         extend_t[0] = 1
     prefix_t = torch.tensor(prefix[: len(extend)]) * (extend_t > 0)
     kv = (extend_t + prefix_t).tolist()
-    table, k_pool, v_pool = _pools(gen, kv, len(kv), page_size, HQ // group)
+    table, *pools = _pools(gen, kv, len(kv), page_size, HQ // group)
     local_cap = -(-int(extend_t.sum()) // cp) + 1 + pad
     make = zigzag_metadata if strategy == "zigzag" else interleave_metadata
     for rank in range(cp):
         meta = make(extend_t, prefix_t, table, cp, rank, local_cap, page_size)
         q = torch.randn(local_cap, HQ, D, generator=gen)
-        _check(q, k_pool, v_pool, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+        _check(q, pools, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=4),
        group=st.sampled_from([1, 2]), page_size=st.sampled_from([1, 16]), pad=st.integers(0, 4))
 def test_any_nondecreasing_limits_match_reference(seed, q_lens, group, page_size, pad):
-    """The contract's general case: any limits that never decrease within a sequence (runs of causal
-    steps, jumps, repeats), long enough to span several masked row blocks."""
+    """The contract's general case: any limits that never decrease within a sequence (runs of
+    causal steps, jumps, repeats), long enough to span several masked row blocks."""
     gen = torch.Generator().manual_seed(seed)
-    limits = []
+    per_seq = []
     for n in q_lens:
         steps = torch.randint(0, 4, (n,), generator=gen) * (torch.rand(n, generator=gen) < 0.5)
-        limits += (torch.randint(1, 40, (1,), generator=gen) + torch.cumsum(steps, 0)).tolist()
-    kv = [max(limits[a:a + n], default=0) for a, n in zip([sum(q_lens[:i]) for i in range(len(q_lens))], q_lens)]
-    table, k_pool, v_pool = _pools(gen, kv, len(kv), page_size, HQ // group)
+        first = torch.randint(1, 40, (1,), generator=gen)
+        per_seq.append((first + torch.cumsum(steps, 0)).tolist())
+    kv = [max(lim, default=0) for lim in per_seq]
+    table, *pools = _pools(gen, kv, len(kv), page_size, HQ // group)
     cu = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
     if int(cu[-1]) == 0:
         return
     q = torch.randn(int(cu[-1]) + pad, HQ, D, generator=gen)
-    _check(q, k_pool, v_pool, cu, table, torch.tensor(limits + [0] * pad), page_size)
+    limits = torch.tensor([x for lim in per_seq for x in lim] + [0] * pad)
+    _check(q, pools, cu, table, limits, page_size)
 
 
 def test_same_shape_sequences_share_calls_and_workspace(monkeypatch):
-    """Equal requests (the bench's NxL batches) run as one batched call per part, and a second layer of
-    the same forward reuses the plan from the workspace."""
+    """Equal requests (the bench's NxL batches) run as one batched call per part, and a second
+    layer of the same forward reuses the plan from the workspace."""
     gen = torch.Generator().manual_seed(0)
     q_lens, prefix, page_size = [64, 64, 64, 40], [0, 0, 0, 24], 16
     kv = [p + n for p, n in zip(prefix, q_lens)]
-    table, k_pool, v_pool = _pools(gen, kv, 4, page_size, 2)
+    table, *pools = _pools(gen, kv, 4, page_size, 2)
     cu = torch.tensor([0, 64, 128, 192, 232])
     limits = torch.tensor([k - n + i + 1 for n, k in zip(q_lens, kv) for i in range(n)] + [0] * 3)
     q = torch.randn(235, HQ, D, generator=gen)
     calls, plans, flash, plan = [], [], torch_sdpa._flash, torch_sdpa._plan
-    monkeypatch.setattr(torch_sdpa, "_flash", lambda *a, **k: calls.append(a[0].shape) or flash(*a, **k))
+    monkeypatch.setattr(torch_sdpa, "_flash",
+                        lambda *a, **k: calls.append(a[0].shape) or flash(*a, **k))
     monkeypatch.setattr(torch_sdpa, "_plan", lambda *a: plans.append(1) or plan(*a))
     workspace: dict = {}
     for _ in range(2):
-        _check(q, k_pool, v_pool, cu, table, limits, page_size, workspace)
+        _check(q, pools, cu, table, limits, page_size, workspace)
     # per layer: the 3 equal sequences in one causal call; the prefixed one causal + prefix
     assert sorted(tuple(s) for s in calls[:3]) == [(1, HQ, 40, D), (1, HQ, 40, D), (3, HQ, 64, D)]
     assert len(calls) == 6 and len(plans) == 1
@@ -107,57 +117,55 @@ def test_same_shape_sequences_share_calls_and_workspace(monkeypatch):
 
 @pytest.mark.parametrize("prefix", [0, 37])
 def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
-    """At CP 1 zigzag splits a request into an early and a late block; on one page-table row with limits
-    stepping on by one they are one sequence: one causal call (and one over a cached prefix), reading
-    consecutive pages as a view of the pool."""
+    """At CP 1 zigzag splits a request into an early and a late block; on one page-table row, limits
+    stepping on by one, they are one sequence: one causal call (and one over a cached prefix),
+    reading consecutive pages as a view of the pool."""
     gen = torch.Generator().manual_seed(3)
     extend, page_size = 201, 16
     pages = -(-(extend + prefix) // page_size)
     table = torch.arange(1, 1 + pages)[None]                      # consecutive pages
     shape = ((2 + pages) * page_size, 2, D)
-    k_pool, v_pool = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    meta = zigzag_metadata(torch.tensor([extend]), torch.tensor([prefix]), table, 1, 0, extend + 3, page_size)
+    pools = [torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)]
+    meta = zigzag_metadata(torch.tensor([extend]), torch.tensor([prefix]), table, 1, 0, extend + 3,
+                           page_size)
     assert meta.cu_seqlens_q.tolist() == [0, 101, 201]
     calls, flash = [], torch_sdpa._flash
     monkeypatch.setattr(torch_sdpa, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
     q = torch.randn(extend + 3, HQ, D, generator=gen)
-    _check(q, k_pool, v_pool, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+    _check(q, pools, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
     assert len(calls) == (2 if prefix else 1)
     _, _, groups = torch_sdpa._plan(meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
     assert groups[0].slots == slice(page_size, page_size + extend + prefix)
 
 
 def test_strided_blocks_and_blind_rows():
-    """Interleave-like limits over more rows than one masked block, and a sequence whose queries see no
-    key (limit 0): its rows are zeros, as are the padding rows, and nothing reads an empty key range."""
+    """Interleave-like limits over more rows than one masked block, and a sequence whose queries see
+    no key (limit 0): its rows are zeros, as are the padding rows, and no call gets an empty key
+    range (the CPU flash kernel dies on one)."""
     gen = torch.Generator().manual_seed(1)
     n, stride, page_size = 3 * torch_sdpa._MASKED_BLOCK_ROWS + 5, 4, 16
     limits = (torch.arange(n) * stride + 7).tolist()
-    table, k_pool, v_pool = _pools(gen, [limits[-1]], 2, page_size, 2)
+    table, *pools = _pools(gen, [limits[-1]], 2, page_size, 2)
     cu = torch.tensor([0, n, n + 3])
     q = torch.randn(n + 5, HQ, D, generator=gen)
     lim = torch.tensor(limits + [0, 0, 0, 0, 0])
     out = torch.full_like(q, float("nan"))
-    torch_sdpa_attention(q, k_pool, v_pool, cu, table, lim, page_size, D ** -0.5, n, limits[-1], out)
+    _run(torch_sdpa_attention, q, pools, cu, table, lim, page_size, out)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-    ref = torch_paged_attention(q[:n], k_pool, v_pool, cu[:2], table[:1], lim[:n], page_size, D ** -0.5, n,
-                                limits[-1], torch.empty_like(q[:n]))
+    ref = _run(torch_paged_attention, q[:n], pools, cu[:2], table[:1], lim[:n], page_size)
     assert (out[:n] - ref).abs().max().item() <= 2e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_low_precision_matches_fp32_reference(dtype):
+def test_bfloat16_matches_fp32_reference():
     gen = torch.Generator().manual_seed(2)
     kv, q_len, page_size = 300, 120, 16
-    table, k_pool, v_pool = _pools(gen, [kv], 1, page_size, 2)
+    table, *pools = _pools(gen, [kv], 1, page_size, 2)
     q = torch.randn(q_len, HQ, D, generator=gen)
     cu, limits = torch.tensor([0, q_len]), torch.arange(kv - q_len + 1, kv + 1)
-    ref = torch_paged_attention(q, k_pool, v_pool, cu, table, limits, page_size, D ** -0.5, q_len, kv,
-                                torch.empty_like(q))
-    out = torch.empty(q.shape, dtype=dtype)
-    torch_sdpa_attention(q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), cu, table, limits, page_size,
-                         D ** -0.5, q_len, kv, out)
-    assert (out.float() - ref).abs().max().item() <= 3e-2
+    ref = _run(torch_paged_attention, q, pools, cu, table, limits, page_size)
+    low = [p.to(torch.bfloat16) for p in pools]
+    out = _run(torch_sdpa_attention, q.to(torch.bfloat16), low, cu, table, limits, page_size)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() <= 3e-2
 
 
 def test_registry_serves_it_as_the_torch_kernel():

@@ -1,15 +1,16 @@
-"""Paged variable-length attention on torch's fused CPU attention: the contract of ``torch_paged_attention``.
+"""Paged varlen attention on torch's fused CPU attention, with the contract of
+``torch_paged_attention`` (the oracle).
 
-torch's flash kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu``) skips the masked half of a
-causal square and never materialises scores, but its ``is_causal`` is top-left aligned and it takes one
-query/key length per call. So each sequence's keys are split where its queries' limits start:
-- keys [0, split) every query of the block sees: one unmasked call;
-- keys [split, end) along the diagonal: a causal call where the limits step by one (a plain sequence,
-  a zigzag block), else a call with an additive mask (interleave's strided limits, in row blocks so the
-  masked part stays narrow);
-and the two partial results are merged exactly by their log-sum-exp. Sequences of the same shape share
-calls; rows past the last sequence are zeros. On CUDA (where the torch kernel is only a fallback) the
-reference kernel runs instead.
+torch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) skips the masked half of
+a causal square and never materialises scores, but its ``is_causal`` is top-left aligned and it
+takes one query/key length per call. So a sequence's keys are split where its queries' limits start:
+- keys [0, split), which every query of the block sees: one unmasked call;
+- keys [split, end) along the diagonal: a causal call where the limits step by one (a plain
+  sequence, a zigzag block), else a call with an additive mask (interleave's strided limits, in row
+  blocks so the masked part stays narrow);
+and the two partial results are merged exactly by their log-sum-exp. Sequences of one shape share
+calls; rows past the last sequence are zeros. On CUDA, where the torch kernel is only a fallback,
+the reference kernel runs instead.
 """
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ import torch
 
 from graphcp.kernels.torch_ref import per_forward, torch_paged_attention
 
-_MASKED_BLOCK_ROWS = 128    # rows per block where limits stride (interleave): the masked part is about
-                            # rows x rows x cp keys, small beside the unmasked part at long prompts
+# Rows per block where limits stride (interleave): the masked part is about rows x rows x cp keys,
+# small beside the unmasked part at long prompts.
+_MASKED_BLOCK_ROWS = 128
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass
 class _Block:
-    """Query rows [row_start, row_end) of a group; they see keys [0, split) all, keys [split, end) by
-    ``limits`` (None: top-left causal, the square ``end - split == row_end - row_start``)."""
+    """Query rows [row_start, row_end) of a group: they see keys [0, split) all, keys [split, end)
+    by ``limits`` (None: top-left causal, the square ``end - split == row_end - row_start``)."""
     row_start: int
     row_end: int
     split: int
@@ -37,8 +39,8 @@ class _Block:
 
 @dataclass
 class _Group:
-    """Sequences of one shape: their query rows [G, q_len] (a slice for one contiguous sequence) and KV
-    slots [G, kv_len] (a slice for one sequence on consecutive pages), read once per layer and shared by
+    """Sequences of one shape: query rows [G, q_len] (a slice for one sequence) and KV slots
+    [G, kv_len] (a slice for one sequence on consecutive pages), read once per layer and shared by
     the group's blocks."""
     rows: torch.Tensor | slice
     slots: torch.Tensor | slice
@@ -47,13 +49,14 @@ class _Group:
 
 def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
           page_size: int) -> tuple[int, bool, list[_Group]]:
-    """(rows in sequences, whether a sequence sees no key, the groups): layer-independent, made once per
-    forward on the host."""
+    """(rows in sequences, whether a sequence sees no key, the groups): layer-independent, made
+    once per forward on the host."""
     cu = cu_seqlens_q.tolist()
     used = cu[-1]
     limits = q_limits[:used]
-    # bad[i]: limit steps other than +1 up to row i; a span of rows is plain causal when none is inside.
-    bad = torch.cat([limits.new_zeros(1), torch.cumsum(limits[1:] - limits[:-1] != 1, 0)]).tolist()
+    # bad[i]: limit steps other than +1 up to row i; rows with none between them are plain causal.
+    steps = torch.cumsum(limits[1:] - limits[:-1] != 1, 0)
+    bad = torch.cat([limits.new_zeros(1), steps]).tolist()
     shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
     groups, blind = [], False
     for seq, start, end in _spans(cu, page_rows, bad):
@@ -74,8 +77,8 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
 
 
 def _spans(cu: list[int], page_rows: torch.Tensor, bad: list[int]) -> list[tuple[int, int, int]]:
-    """(sequence, first row, end row) of the non-empty sequences, where a sequence that follows the
-    previous one's rows on the same page-table row with its limits stepping on by one joins it: CP 1's
+    """(sequence, first row, end row) of the non-empty sequences; a sequence that follows the
+    previous one's rows on the same page-table row, its limits stepping on by one, joins it: CP 1's
     zigzag splits a request into an early and a late block that are one causal sequence."""
     spans: list[tuple[int, int, int]] = []
     for seq, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
@@ -92,7 +95,7 @@ def _spans(cu: list[int], page_rows: torch.Tensor, bad: list[int]) -> list[tuple
 def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
                    page_size: int) -> _Group:
     """One sequence whose limits do not step by one, in row blocks. A block's keys from its first
-    query's limit minus one are masked, so every masked row sees at least one key."""
+    query's limit minus one on are masked, so every masked row sees at least one key."""
     bounds = list(range(0, end - start, _MASKED_BLOCK_ROWS)) + [end - start]
     firsts = limits[bounds[:-1]].tolist()
     lasts = limits[[b - 1 for b in bounds[1:]]].tolist()
@@ -120,28 +123,30 @@ def _read(pool: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
     return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
 
 
-def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
-                         max_q: int, max_kv: int, out: torch.Tensor, *,
+def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
+                         q_limits: torch.Tensor, page_size: int, scale: float, max_q: int,
+                         max_kv: int, out: torch.Tensor, *,
                          workspace: dict | None = None) -> torch.Tensor:
-    """Same contract as ``torch_paged_attention``; ``max_q``/``max_kv`` only tell an empty batch apart.
-    Off the CPU (the torch fallback on CUDA) the reference kernel serves: the fused kernel here is CPU's."""
+    """Same contract as ``torch_paged_attention``; ``max_q``/``max_kv`` only tell an empty batch
+    apart. Off the CPU (the torch fallback on CUDA) the reference kernel serves."""
     if q.device.type != "cpu":
-        return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, page_size, scale,
-                                     max_q, max_kv, out, workspace=workspace)
+        return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits,
+                                     page_size, scale, max_q, max_kv, out, workspace=workspace)
     if max_q == 0 or max_kv == 0:
         return out.zero_()
-    used, blind, groups = per_forward(workspace, f"sdpa{page_size}", (cu_seqlens_q, page_rows, q_limits),
-                               lambda: _plan(cu_seqlens_q, page_rows, q_limits, page_size))
+    meta = (cu_seqlens_q, page_rows, q_limits)
+    used, blind, groups = per_forward(workspace, f"sdpa{page_size}", meta,
+                                      lambda: _plan(*meta, page_size))
     (out if blind else out[used:]).zero_()
     for group in groups:
-        k, v = _read(k_pool, group.slots), _read(v_pool, group.slots)             # [G, Hkv, kv_len, D]
+        k, v = _read(k_pool, group.slots), _read(v_pool, group.slots)     # [G, Hkv, kv_len, D]
         one = isinstance(group.rows, slice)
-        qg = q[group.rows].unsqueeze(0) if one else q[group.rows]                  # [G, q_len, Hq, D]
+        qg = q[group.rows].unsqueeze(0) if one else q[group.rows]          # [G, q_len, Hq, D]
         og = out[group.rows].unsqueeze(0) if one else torch.empty_like(qg)
         for block in group.blocks:
             rows = slice(block.row_start, block.row_end)
-            o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)     # [G, Hq, n, D]
+            o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)  # [G, Hq, n, D]
             og[:, rows] = o.transpose(1, 2)
         if not one:
             out[group.rows] = og
@@ -162,6 +167,6 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Blo
         return o
     prefix = slice(0, block.split)
     o_prefix, lse_prefix = _flash(q, k[:, :, prefix], v[:, :, prefix], scale=scale)
-    # softmax over both parts = a weighted mean of the parts' softmaxes, weights exp(lse) / sum
+    # softmax over both parts = the parts' softmaxes weighted by exp(lse) / sum
     weight = torch.sigmoid(lse_prefix - lse).unsqueeze(-1)
     return torch.lerp(o.float(), o_prefix.float(), weight).to(o.dtype)

@@ -1,4 +1,4 @@
-"""HF transformers on the same checkpoint, the baseline every graphcp benchmark prints beside its own times."""
+"""HF transformers on the same checkpoint: the baseline graphcp benchmarks print beside theirs."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,11 @@ class HFModel:
 
     def __init__(self, path: str, device: str) -> None:
         import transformers
-        kw = dict(dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa")
-        if path.endswith(".gguf"):          # transformers dequantizes a GGUF itself (needs gguf, accelerate)
-            kw["gguf_file"], path = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        kw = dict(dtype=dtype, attn_implementation="sdpa")
+        if path.endswith(".gguf"):   # transformers dequantizes a GGUF (needs gguf, accelerate)
+            kw["gguf_file"] = os.path.basename(path)
+            path = os.path.dirname(os.path.abspath(path))
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
         self.model.eval()
         self.device = device
