@@ -17,6 +17,12 @@ HQ, D = 4, 32
 SCALE = D ** -0.5
 
 
+@pytest.fixture(autouse=True)
+def fused_path_always(monkeypatch):
+    """Tests' batches are short: send them through the fused path, not the short-batch fallback."""
+    monkeypatch.setattr(torch_sdpa, "_SHORT_KV", 0)
+
+
 def _pools(gen: torch.Generator, kv_lens: list[int], rows: int, page_size: int, hkv: int):
     """Shuffled distinct pages per row (page 0 stays the dummy) and random K/V pools."""
     pages = max(1, max(-(-kv // page_size) for kv in kv_lens))
@@ -166,6 +172,24 @@ def test_bfloat16_matches_fp32_reference():
     low = [p.to(torch.bfloat16) for p in pools]
     out = _run(torch_sdpa_attention, q.to(torch.bfloat16), low, cu, table, limits, page_size)
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max().item() <= 3e-2
+
+
+def test_short_batches_take_one_padded_reference_call(monkeypatch):
+    """Below the crossover the reference kernel's padded call serves (fewer host ops than a fused
+    call per shape); above it, the fused kernel."""
+    monkeypatch.setattr(torch_sdpa, "_SHORT_KV", 128)
+    gen = torch.Generator().manual_seed(4)
+    calls, flash = [], torch_sdpa._flash
+    monkeypatch.setattr(torch_sdpa, "_flash", lambda *a, **k: calls.append(1) or flash(*a, **k))
+    for kv, fused in ((128, False), (129, True)):
+        table, *pools = _pools(gen, [kv, 50], 2, 16, 2)
+        q_lens = [kv - 7, 50]
+        cu = torch.tensor([0, q_lens[0], sum(q_lens)])
+        limits = torch.tensor([k - n + i + 1 for n, k in zip(q_lens, [kv, 50]) for i in range(n)])
+        q = torch.randn(sum(q_lens), HQ, D, generator=gen)
+        calls.clear()
+        _check(q, pools, cu, table, limits, 16)
+        assert bool(calls) == fused
 
 
 def test_registry_serves_it_as_the_torch_kernel():

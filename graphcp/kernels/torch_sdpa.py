@@ -9,8 +9,9 @@ takes one query/key length per call. So a sequence's keys are split where its qu
   sequence, a zigzag block), else a call with an additive mask (interleave's strided limits, in row
   blocks so the masked part stays narrow);
 and the two partial results are merged exactly by their log-sum-exp. Sequences of one shape share
-calls; rows past the last sequence are zeros. On CUDA, where the torch kernel is only a fallback,
-the reference kernel runs instead.
+calls; rows past the last sequence are zeros. The reference kernel runs instead on CUDA, where the
+torch kernel is only a fallback, and for short batches, where its one padded call costs less than a
+call per shape (measured crossover: requests of about 128 tokens).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from graphcp.kernels.torch_ref import per_forward, torch_paged_attention
 # Rows per block where limits stride (interleave): the masked part is about rows x rows x cp keys,
 # small beside the unmasked part at long prompts.
 _MASKED_BLOCK_ROWS = 128
+# Batches whose longest request has at most this many keys go to the reference kernel.
+_SHORT_KV = 128
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -128,9 +131,9 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
                          q_limits: torch.Tensor, page_size: int, scale: float, max_q: int,
                          max_kv: int, out: torch.Tensor, *,
                          workspace: dict | None = None) -> torch.Tensor:
-    """Same contract as ``torch_paged_attention``; ``max_q``/``max_kv`` only tell an empty batch
-    apart. Off the CPU (the torch fallback on CUDA) the reference kernel serves."""
-    if q.device.type != "cpu":
+    """Same contract as ``torch_paged_attention``; ``max_q`` only tells an empty batch apart,
+    ``max_kv`` also a short one."""
+    if q.device.type != "cpu" or max_kv <= _SHORT_KV:
         return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits,
                                      page_size, scale, max_q, max_kv, out, workspace=workspace)
     if max_q == 0 or max_kv == 0:
