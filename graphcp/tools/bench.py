@@ -109,10 +109,14 @@ def run(argv: list[str]) -> int:
             if hf is not None:
                 hf(batch)
             times = {"graph": [], "eager": [], "hf": []}
+            # At one rank the engine runs in this process, on HF's threads: HF joins the alternation.
+            hf_alternates = hf is not None and args.world_size == 1
             for _ in range(ns.reps):            # graph and eager alternate, so noise hits both alike
                 times["graph"].append(time_ms(lambda: graphcp_run(False)))
                 times["eager"].append(time_ms(lambda: graphcp_run(True)))
-            if hf is not None:
+                if hf_alternates:
+                    times["hf"].append(time_ms(lambda: hf(batch)))
+            if hf is not None and not hf_alternates:
                 # HF runs in this process: its OpenMP threads spin after each call and would steal the
                 # cores the ranks need, so it runs as its own block, followed by a pause.
                 times["hf"] = [time_ms(lambda: hf(batch)) for _ in range(ns.reps)]
