@@ -144,6 +144,23 @@ def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
     assert groups[0].slots == slice(page_size, page_size + extend + prefix)
 
 
+def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch):
+    """Two equal requests at CP 1: rows hold both early blocks, then both late blocks; each
+    request's two blocks join (rows apart) and the two requests share one causal call."""
+    gen = torch.Generator().manual_seed(5)
+    extend, page_size = 96, 16
+    table, *pools = _pools(gen, [extend, extend], 2, page_size, 2)
+    meta = zigzag_metadata(torch.tensor([extend, extend]), torch.tensor([0, 0]), table, 1, 0,
+                           2 * extend + 2, page_size)
+    assert meta.cu_seqlens_q.tolist() == [0, 48, 96, 144, 192]
+    calls, flash = [], torch_sdpa._flash
+    monkeypatch.setattr(torch_sdpa, "_flash",
+                        lambda *a, **k: calls.append(tuple(a[0].shape)) or flash(*a, **k))
+    q = torch.randn(2 * extend + 2, HQ, D, generator=gen)
+    _check(q, pools, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+    assert calls == [(2, HQ, extend, D)]
+
+
 def test_strided_blocks_and_blind_rows():
     """Interleave-like limits over more rows than one masked block, and a sequence whose queries see
     no key (limit 0): its rows are zeros, as are the padding rows, and no call gets an empty key

@@ -60,39 +60,42 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
     # bad[i]: limit steps other than +1 up to row i; rows with none between them are plain causal.
     steps = torch.cumsum(limits[1:] - limits[:-1] != 1, 0)
     bad = torch.cat([limits.new_zeros(1), steps]).tolist()
-    shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    groups, blind = [], False
-    for seq, start, end in _spans(cu, page_rows, bad):
-        first, last = limits[[start, end - 1]].tolist()
-        if last <= 0:
-            blind = True
-        elif bad[end - 1] == bad[start] and first >= 1:
-            shapes.setdefault((end - start, last), []).append((seq, start))
-        else:
-            groups.append(_strided_group(seq, start, end, limits[start:end], page_rows, page_size))
-    for (q_len, kv_len), members in shapes.items():
-        seqs, starts = [m[0] for m in members], [m[1] for m in members]
-        rows = slice(starts[0], starts[0] + q_len) if len(seqs) == 1 else \
-            torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]
-        block = _Block(0, q_len, kv_len - q_len, kv_len, None)
-        groups.append(_Group(rows, _slots(page_rows[seqs], kv_len, page_size), [block]))
-    return used, blind, groups
-
-
-def _spans(cu: list[int], page_rows: torch.Tensor, bad: list[int]) -> list[tuple[int, int, int]]:
-    """(sequence, first row, end row) of the non-empty sequences; a sequence that follows the
-    previous one's rows on the same page-table row, its limits stepping on by one, joins it: CP 1's
-    zigzag splits a request into an early and a late block that are one causal sequence."""
-    spans: list[tuple[int, int, int]] = []
+    starts, ends = [min(a, used - 1) for a in cu[:-1]], [max(b - 1, 0) for b in cu[1:]]
+    firsts, lasts = (limits[starts].tolist(), limits[ends].tolist()) if used else ([], [])
+    groups, blind, runs = [], False, []
+    open_runs: dict[tuple, int] = {}        # page-table row -> its causal run
     for seq, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         if end == start:
             continue
-        if spans and spans[-1][2] == start and bad[start] == bad[start - 1] and \
-                torch.equal(page_rows[spans[-1][0]], page_rows[seq]):
-            spans[-1] = (spans[-1][0], spans[-1][1], end)
+        first, last = firsts[seq], lasts[seq]
+        if last <= 0:
+            blind = True
+        elif bad[end - 1] != bad[start] or first < 1:
+            groups.append(_strided_group(seq, start, end, limits[start:end], page_rows, page_size))
         else:
-            spans.append((seq, start, end))
-    return spans
+            # A causal sequence on a row whose run ends one key earlier continues that run: CP 1's
+            # zigzag splits each request into an early and a late block of one causal sequence.
+            row = tuple(page_rows[seq].tolist())
+            run = open_runs.get(row)
+            if run is not None and runs[run][3] + 1 == first:
+                runs[run][1].append((start, end))
+                runs[run][3] = last
+            else:
+                open_runs[row] = len(runs)
+                runs.append([seq, [(start, end)], first, last])
+    shapes: dict[tuple[int, int], list] = {}
+    for seq, pieces, _, last in runs:
+        shapes.setdefault((sum(b - a for a, b in pieces), last), []).append((seq, pieces))
+    for (q_len, kv_len), members in shapes.items():
+        if len(members) == 1 and len(members[0][1]) == 1:
+            rows = slice(*members[0][1][0])
+        else:
+            rows = torch.stack([torch.cat([torch.arange(a, b) for a, b in pieces])
+                                for _, pieces in members])
+        block = _Block(0, q_len, kv_len - q_len, kv_len, None)
+        seqs = [seq for seq, _ in members]
+        groups.append(_Group(rows, _slots(page_rows[seqs], kv_len, page_size), [block]))
+    return used, blind, groups
 
 
 def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
