@@ -7,20 +7,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import cp_kwargs
 from graphcp.cp.metadata import interleave_metadata, zigzag_metadata
 from graphcp.kernels import torch_sdpa
 from graphcp.kernels.registry import kernel_fn
 from graphcp.kernels.torch_ref import torch_paged_attention
 from graphcp.kernels.torch_sdpa import torch_sdpa_attention
+from parity import Session, random_ids
 
 HQ, D = 4, 32
+VOCAB = 211                 # the suite checkpoint's (tests/hf_reference.py)
 SCALE = D ** -0.5
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fused_path_always(monkeypatch):
-    """Tests' batches are short: send them through the fused path, not the short-batch fallback."""
+    """Kernel tests' batches are short: send them through the fused path, not the short-batch
+    fallback (engine tests use requests past it instead: rank processes do not see a patch)."""
     monkeypatch.setattr(torch_sdpa, "_SHORT_KV", 0)
+
+
+pytestmark = pytest.mark.usefixtures("fused_path_always")
 
 
 def _pools(gen: torch.Generator, kv_lens: list[int], rows: int, page_size: int, hkv: int):
@@ -207,6 +214,21 @@ def test_short_batches_take_one_padded_reference_call(monkeypatch):
         calls.clear()
         _check(q, pools, cu, table, limits, 16)
         assert bool(calls) == fused
+
+
+@pytest.mark.parametrize("cp,strategy", [(2, "zigzag"), (2, "interleave")])
+def test_engine_long_requests_match_hf(checkpoint, engines, oracle, cp, strategy):
+    """Requests past the short-batch cut through the engine's ranks (zigzag's two blocks per rank,
+    interleave's strided limits), fresh and then extending their cached prefixes, against HF."""
+    extra = {} if strategy == "zigzag" else {"attention_backend": "auto"}
+    engine = engines.get(checkpoint, **cp_kwargs(cp, strategy, **extra))
+    assert engine.stats()["attention_kernel"] == "torch"
+    s = Session(engine, oracle, checkpoint)
+    s.run([("long", random_ids(230, VOCAB, 1)), ("mid", random_ids(140, VOCAB, 2)),
+           ("short", random_ids(9, VOCAB, 3))])
+    out = s.run([("long", random_ids(70, VOCAB, 4)), ("mid", random_ids(31, VOCAB, 5))])
+    assert out.cp_applied is True
+    s.release_all()
 
 
 def test_registry_serves_it_as_the_torch_kernel():
