@@ -139,7 +139,7 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     if q.device.type != "cpu" or max_kv <= _SHORT_KV:
         return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits,
                                      page_size, scale, max_q, max_kv, out, workspace=workspace)
-    if max_q == 0 or max_kv == 0:
+    if max_q == 0:
         return out.zero_()
     meta = (cu_seqlens_q, page_rows, q_limits)
     used, blind, groups = per_forward(workspace, f"sdpa{page_size}", meta,
@@ -147,15 +147,18 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     (out if blind else out[used:]).zero_()
     for group in groups:
         k, v = _read(k_pool, group.slots), _read(v_pool, group.slots)     # [G, Hkv, kv_len, D]
-        one = isinstance(group.rows, slice)
-        qg = q[group.rows].unsqueeze(0) if one else q[group.rows]          # [G, q_len, Hq, D]
-        og = out[group.rows].unsqueeze(0) if one else torch.empty_like(qg)
-        for block in group.blocks:
-            rows = slice(block.row_start, block.row_end)
-            o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)  # [G, Hq, n, D]
-            og[:, rows] = o.transpose(1, 2)
-        if not one:
-            out[group.rows] = og
+        if isinstance(group.rows, slice):                                 # one sequence
+            qg, og = q[group.rows].unsqueeze(0), out[group.rows].unsqueeze(0)
+            for block in group.blocks:
+                rows = slice(block.row_start, block.row_end)
+                o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)
+                og[:, rows] = o.transpose(1, 2)
+            continue
+        # Several sequences (or one in pieces), causal: one block; rows gathered and put back.
+        rows = group.rows.reshape(-1)
+        qg = q.index_select(0, rows).view(*group.rows.shape, *q.shape[1:])  # [G, q_len, Hq, D]
+        o = _attend_block(qg.transpose(1, 2), k, v, group.blocks[0], scale)  # [G, Hq, q_len, D]
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(rows.shape[0], *q.shape[1:]))
     return out
 
 
