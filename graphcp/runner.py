@@ -7,7 +7,6 @@ batches and live batches into the static inputs the graphs read.
 """
 from __future__ import annotations
 
-import resource
 from typing import Sequence
 
 import torch
@@ -22,6 +21,7 @@ from graphcp.errors import ConfigError
 from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.strategy import make_strategy
 from graphcp.dist.comm import recv, send
+from graphcp.dist.procs import peak_rss_bytes
 from graphcp.dist.parallel import RankParallel
 from graphcp.forward_batch import ForwardBatch
 from graphcp.forward_context import forward_context
@@ -288,7 +288,7 @@ class ModelRunner:
         return {"kv_tokens_total": self.planner.tokens_total, "kv_tokens_free": self.planner.tokens_free,
                 "kv_bytes": self.pool.nbytes,
                 "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss_bytes": peak_rss_bytes(),
                 "graph_buckets": graphs.buckets if graphs else [],
                 "graph_captures": graphs.captures if graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.backend,
