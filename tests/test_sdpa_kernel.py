@@ -168,22 +168,29 @@ def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch):
     assert calls == [(2, HQ, extend, D)]
 
 
-def test_strided_blocks_and_blind_rows():
-    """Interleave-like limits over more rows than one masked block, and a sequence whose queries see
-    no key (limit 0): its rows are zeros, as are the padding rows, and no call gets an empty key
-    range (the CPU flash kernel dies on one)."""
-    gen = torch.Generator().manual_seed(1)
-    n, stride, page_size = 3 * torch_sdpa._MASKED_BLOCK_ROWS + 5, 4, 16
-    limits = (torch.arange(n) * stride + 7).tolist()
-    table, *pools = _pools(gen, [limits[-1]], 2, page_size, 2)
-    cu = torch.tensor([0, n, n + 3])
-    q = torch.randn(n + 5, HQ, D, generator=gen)
-    lim = torch.tensor(limits + [0, 0, 0, 0, 0])
+@pytest.mark.parametrize("stride", [2, 4])
+def test_strided_limits_and_blind_rows(stride):
+    """Limits stepping by one stride (interleave's) take the residue-class call; the same with one
+    jump takes masked row blocks (more rows than one block); a sequence whose queries see no key
+    (limit 0) gets zero rows, as do the padding rows, and no call gets an empty key range (the CPU
+    flash kernel dies on one)."""
+    gen = torch.Generator().manual_seed(stride)
+    n, page_size = 3 * torch_sdpa._MASKED_BLOCK_ROWS + 5, 16
+    even = (torch.arange(n) * stride + 7).tolist()
+    jump = [x + 5 * (i >= n // 2) for i, x in enumerate(even)]
+    table, *pools = _pools(gen, [jump[-1], jump[-1], 1], 3, page_size, 2)
+    cu = torch.tensor([0, n, 2 * n, 2 * n + 3])
+    limits = torch.tensor(even + jump + [0, 0, 0, 0, 0])
+    q = torch.randn(2 * n + 5, HQ, D, generator=gen)
+    _, blind, groups = torch_sdpa._plan(cu, table, limits, page_size)
+    assert blind and [b.stride for b in groups[0].blocks] == [stride]
+    assert len(groups[1].blocks) == 4 and all(b.limits is not None for b in groups[1].blocks)
     out = torch.full_like(q, float("nan"))
-    _run(torch_sdpa_attention, q, pools, cu, table, lim, page_size, out)
-    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-    ref = _run(torch_paged_attention, q[:n], pools, cu[:2], table[:1], lim[:n], page_size)
-    assert (out[:n] - ref).abs().max().item() <= 2e-6
+    _run(torch_sdpa_attention, q, pools, cu, table, limits, page_size, out)
+    assert torch.equal(out[2 * n:], torch.zeros_like(out[2 * n:]))
+    ref = _run(torch_paged_attention, q[:2 * n], pools, cu[:3], table[:2], limits[:2 * n],
+               page_size)
+    assert (out[:2 * n] - ref).abs().max().item() <= 2e-6
 
 
 def test_bfloat16_matches_fp32_reference():

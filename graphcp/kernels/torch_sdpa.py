@@ -6,9 +6,12 @@ a causal square and never materialises scores, but its ``is_causal`` is top-left
 takes one query/key length per call. So a sequence's keys are split where its queries' limits start:
 - keys [0, split), which every query of the block sees: one unmasked call;
 - keys [split, end) along the diagonal: a causal call where the limits step by one (a plain
-  sequence, a zigzag block), else a call with an additive mask (interleave's strided limits, in row
-  blocks so the masked part stays narrow);
-and the two partial results are merged exactly by their log-sum-exp. Sequences of one shape share
+  sequence, a zigzag block);
+and the partial results are merged exactly by their log-sum-exp. Where the limits step by c > 1
+(interleave: a rank's queries are every c-th token), the keys past the first query's limit split
+into c residue classes, each a causal square against the queries after the first: one causal call
+with the classes as its batch. Other limits run in row blocks, the narrow diagonal part of each
+with an additive mask. Sequences of one shape share
 calls; rows past the last sequence are zeros. The reference kernel runs instead on CUDA, where the
 torch kernel is only a fallback, and for short batches, where its one padded call costs less than a
 call per shape (measured crossover: requests of about 128 tokens).
@@ -21,8 +24,8 @@ import torch
 
 from graphcp.kernels.torch_ref import per_forward, torch_paged_attention
 
-# Rows per block where limits stride (interleave): the masked part is about rows x rows x cp keys,
-# small beside the unmasked part at long prompts.
+# Rows per block for limits that neither step by one nor by one stride: the masked part is about
+# rows x rows x step keys, small beside the unmasked part at long prompts.
 _MASKED_BLOCK_ROWS = 128
 # Batches whose longest request has at most this many keys go to the reference kernel.
 _SHORT_KV = 128
@@ -32,12 +35,14 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 @dataclass
 class _Block:
     """Query rows [row_start, row_end) of a group: they see keys [0, split) all, keys [split, end)
-    by ``limits`` (None: top-left causal, the square ``end - split == row_end - row_start``)."""
+    by ``limits``; None: limits stepping by ``stride`` (1: the top-left causal square
+    ``end - split == row_end - row_start``; c > 1: ``end - split == c * (rows - 1)``)."""
     row_start: int
     row_end: int
     split: int
     end: int
     limits: torch.Tensor | None
+    stride: int = 1
 
 
 @dataclass
@@ -100,8 +105,14 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
 
 def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
                    page_size: int) -> _Group:
-    """One sequence whose limits do not step by one, in row blocks. A block's keys from its first
-    query's limit minus one on are masked, so every masked row sees at least one key."""
+    """One sequence whose limits do not step by one: one residue block where they step by one
+    stride, else row blocks whose keys from the block's first limit minus one on are masked (so
+    every masked row sees at least one key)."""
+    steps = limits[1:] - limits[:-1]
+    first, last = limits[[0, -1]].tolist()
+    if steps.numel() and first >= 1 and int(steps[0]) > 1 and bool((steps == steps[0]).all()):
+        block = _Block(0, end - start, first, last, None, int(steps[0]))
+        return _Group(slice(start, end), _slots(page_rows[[seq]], last, page_size), [block])
     bounds = list(range(0, end - start, _MASKED_BLOCK_ROWS)) + [end - start]
     firsts = limits[bounds[:-1]].tolist()
     lasts = limits[[b - 1 for b in bounds[1:]]].tolist()
@@ -164,6 +175,8 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
 
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
                   scale: float) -> torch.Tensor:
+    if block.stride > 1:
+        return _attend_residues(q, k, v, block, scale)
     diagonal = slice(block.split, block.end)
     if block.limits is None:
         o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], is_causal=True, scale=scale)
@@ -179,3 +192,26 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Blo
     # softmax over both parts = the parts' softmaxes weighted by exp(lse) / sum
     weight = torch.sigmoid(lse_prefix - lse).unsqueeze(-1)
     return torch.lerp(o.float(), o_prefix.float(), weight).to(o.dtype)
+
+
+def _attend_residues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
+                     scale: float) -> torch.Tensor:
+    """Limits first + c * j: query j sees the keys [0, first) and, of key first + c * t + s, those
+    with t < j, for every residue s; so keys past ``first`` in [c, H, rows - 1, D] (residue as the
+    batch) are one causal square against queries 1.. (query 0 sees only the first part)."""
+    o_prefix, lse_prefix = _flash(q, k[:, :, :block.split], v[:, :, :block.split], scale=scale)
+    rows = q.shape[2]
+    if rows == 1:
+        return o_prefix
+    c, tail = block.stride, slice(block.split, block.end)
+
+    def residues(x: torch.Tensor) -> torch.Tensor:                 # [c, H, rows - 1, D] views
+        return x[0, :, tail].unflatten(1, (rows - 1, c)).permute(2, 0, 1, 3)
+
+    o, lse = _flash(q[:, :, 1:].expand(c, -1, -1, -1), residues(k), residues(v), is_causal=True,
+                    scale=scale)
+    # the c + 1 partial softmaxes of queries 1.., weighted by exp(lse) / sum
+    weight = torch.softmax(torch.cat([lse_prefix[:, :, 1:], lse]), 0).unsqueeze(-1)
+    parts = torch.cat([o_prefix[:, :, 1:], o]).float()
+    merged = (weight * parts).sum(0, keepdim=True).to(o.dtype)
+    return torch.cat([o_prefix[:, :, :1], merged], 2)
