@@ -8,7 +8,6 @@ cache writes, kernel) -> last-token logits. Each part is built by its own packag
 from __future__ import annotations
 
 import gc
-import resource
 from dataclasses import replace
 from typing import Sequence
 
@@ -23,6 +22,7 @@ from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 from graphcp.dist.comm import recv, send
+from graphcp.dist.procs import peak_rss_bytes
 from graphcp.dist.parallel import RankParallel
 from graphcp.errors import ConfigError
 from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
@@ -274,7 +274,7 @@ class ModelRunner:
                 "state_slots_total": self.planner.state_slots_total,
                 "state_slots_free": self.planner.state_slots_free,
                 "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss_bytes": peak_rss_bytes(),
                 "graph_buckets": graphs.buckets if graphs else [],
                 "graph_captures": graphs.captures if graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.args.resolved_backend(),

@@ -35,3 +35,26 @@ def test_bad_flag_is_a_clear_error(checkpoint, capsys):
     assert main(["bench", "--model-path", checkpoint, "--cp-strategy", "ring", "--tp", "2", "--attn-cp-size", "2",
                  "--enable-prefill-cp"]) == 2
     assert "--cp-strategy" in capsys.readouterr().err
+
+
+def test_bench_scale_table_and_plot(tmp_path, monkeypatch, capsys):
+    """``graphcp bench --scale`` at tiny lengths: it writes its long-context checkpoint itself (no
+    --model-path), times each length beside HF, prints the table and writes the log-log PNG."""
+    monkeypatch.setenv("GRAPHCP_CACHE", str(tmp_path / "cache"))
+    out, plot = tmp_path / "scale.json", tmp_path / "scale.png"
+    rc = main(["bench", "--scale", "--lengths", "48", "96", "--cp", "1", "--reps", "1", "--json", str(out),
+               "--plot", str(plot)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens"], r["cp"]) for r in rows] == [(48, 1), (96, 1)]
+    assert all(r["ms"] > 0 and r["hf_ms"] > 0 and min(r["peak_rss_bytes_per_rank"]) > 0 for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "peak RSS/rank MiB" in printed and "vs HF" in printed
+    assert json.loads((tmp_path / "cache" / "long-llama-random" / "config.json").read_text())[
+        "max_position_embeddings"] >= 131072
+
+
+def test_bench_scale_refuses_lengths_past_the_model(checkpoint, capsys):
+    assert main(["bench", "--scale", "--model-path", checkpoint, "--lengths", "1000000", "--no-hf"]) == 2
+    assert "--lengths" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from graphcp.kernels.triton_attention import triton_paged_attention  # noqa: E40
 from graphcp.kernels.triton_kv_write import triton_kv_write  # noqa: E402
 from graphcp.kernels.registry import kernel_fn  # noqa: E402
 from graphcp.kernels.torch_ref import torch_paged_attention  # noqa: E402
+from graphcp.kernels.torch_sdpa import torch_sdpa_attention  # noqa: E402
 from graphcp.cp.metadata import interleave_metadata, zigzag_metadata  # noqa: E402
 
 HQ = 4
@@ -213,7 +214,7 @@ def test_kernel_fn_capturable_only_on_cuda():
     fn, capturable = kernel_fn("triton", torch.device("cpu"))
     assert fn is triton_paged_attention and not capturable
     assert kernel_fn("triton", torch.device("cuda"))[1] is True
-    assert kernel_fn("torch", torch.device("cuda")) == (torch_paged_attention, False)
+    assert kernel_fn("torch", torch.device("cuda")) == (torch_sdpa_attention, False)
 
 
 def test_start_probe(monkeypatch):

@@ -18,6 +18,20 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: a rank started by fork + exec
+    inherits the parent's resident size at the fork as its ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def rss_bytes(pid: int | None = None) -> int:
     """Resident memory of a process (this one by default) from /proc; 0 where it cannot be read."""
     try:

@@ -97,7 +97,7 @@ class KernelSpec:
 _FI = "graphcp.kernels.flashinfer_attention"
 _K = "graphcp.kernels."
 KERNELS = {
-    "torch": KernelSpec("attention", "torch", _K + "torch_ref", "torch_paged_attention", False),
+    "torch": KernelSpec("attention", "torch", _K + "torch_sdpa", "torch_sdpa_attention", False),
     "triton": KernelSpec("attention", "triton", _K + "triton_attention", "triton_paged_attention", True),
     "flashinfer-trtllm": KernelSpec("attention", "flashinfer-trtllm", _FI, "flashinfer_trtllm_attention", True),
     # The paged wrapper plans on the host: always a break.

@@ -26,6 +26,13 @@ LLAMA_1B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_si
                 head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="silu")
 
+# The long-prompt benchmarks' model (``graphcp bench --scale``): tiny layers, 128K positions, so attention's
+# quadratic work shows at lengths two CPU cores reach.
+LONG_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=128,
+                  intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, hidden_act="silu")
+
 
 def make_random_checkpoint(path: str, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
     """Create ``path`` once; an existing checkpoint with the same config is reused."""
@@ -89,6 +96,14 @@ def _ffn(config: dict, p: str, rand) -> dict:  # noqa: ANN001
 def demo_checkpoint(model: str = "qwen3") -> str:
     """The embedded default model, generated once with seed 0: a small Qwen3-architecture checkpoint,
     or its Qwen3-MoE variant (``model="qwen3_moe"``)."""
-    root = os.environ.get("GRAPHCP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphcp"))
     config = DEMO_QWEN3_MOE if model == "qwen3_moe" else DEMO_QWEN3
-    return make_random_checkpoint(os.path.join(root, f"demo-{model}-random"), config, seed=0)
+    return make_random_checkpoint(os.path.join(_cache_root(), f"demo-{model}-random"), config, seed=0)
+
+
+def long_context_checkpoint() -> str:
+    """The long-prompt benchmarks' 2-layer Llama (``LONG_LLAMA``), generated once with seed 0."""
+    return make_random_checkpoint(os.path.join(_cache_root(), "long-llama-random"), LONG_LLAMA, seed=0)
+
+
+def _cache_root() -> str:
+    return os.environ.get("GRAPHCP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphcp"))

@@ -17,6 +17,7 @@ from graphcp.config import resolve_dtype
 from graphcp.models.config import read_model_config
 from graphcp.tools.cli import engine_args, engine_parser
 from graphcp.tools.dsa_balance import dsa_table, v4_table
+from graphcp.tools.hf_baseline import HFModel, time_ms
 from graphcp.tools.linear_balance import linear_table
 
 DEFAULT_CASES = ("1x64", "4x64", "1x256", "8x64", "2x256", "1x512")
@@ -45,37 +46,10 @@ def attention_balance(strategy: str, cp: int, extend_lens: list[int]) -> float:
     return max(work) / (sum(work) / cp)
 
 
-class _HF:
-    def __init__(self, path: str, device: str) -> None:
-        import os
-
-        import transformers
-        kw = dict(dtype=torch.float32 if device == "cpu" else torch.bfloat16, attn_implementation="sdpa")
-        if path.endswith(".gguf"):          # transformers dequantizes a GGUF itself (needs gguf, accelerate)
-            kw["gguf_file"], path = os.path.basename(path), os.path.dirname(os.path.abspath(path))
-        try:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
-        except ValueError:      # an architecture without SDPA (DeepSeek V4): HF's eager attention
-            kw["attn_implementation"] = "eager"
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
-        self.model.eval()
-        self.device = device
-
-    @torch.inference_mode()
-    def __call__(self, batch: list[list[int]]) -> None:
-        ids = torch.tensor(batch, device=self.device)
-        self.model(ids, use_cache=True, logits_to_keep=1)
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-
-def _time(fn) -> float:  # noqa: ANN001
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def run(argv: list[str]) -> int:
+    if "--scale" in argv:                # one request from 1K to 64K tokens at CP 1, 2, 4: its own flags
+        from graphcp.tools import scale_bench
+        return scale_bench.run([a for a in argv if a != "--scale"])
     # Engine defaults (CP=1): the fair comparison with HF on the same devices; pass the CP flags to bench CP.
     parser = engine_parser("graphcp bench", "graphcp graph vs eager vs HF transformers, side by side.", cp_default=1)
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="NxL: N requests of L tokens")
@@ -86,6 +60,9 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--adaptive", action="store_true",
                         help="instead of the cases: static zigzag vs adaptive CP vs unsharded on an all-short and a "
                              "mixed batch, side by side at the run's CP size (default CP 2)")
+    parser.add_argument("--scale", action="store_true",
+                        help="instead of the cases: one request at 1K to 64K tokens (128K with --long) at CP 1, 2 "
+                             "and 4 beside HF, with a log-log plot (flags: graphcp bench --scale --help)")
     parser.add_argument("--real-model", action="store_true",
                         help="bench the real trained model (SmolLM2-135M-Instruct, GGUF) instead of the random one")
     parser.add_argument("--balance-cp", type=int, default=None,
@@ -109,7 +86,7 @@ def run(argv: list[str]) -> int:
     hf = None
     if not ns.no_hf:
         try:
-            hf = _HF(args.model_path, args.resolved_device())
+            hf = HFModel(args.model_path, args.resolved_device())
         except ImportError:
             print("transformers is not installed: HF column skipped (pip install graphcp[test])")
     gen = torch.Generator().manual_seed(0)
@@ -134,13 +111,17 @@ def run(argv: list[str]) -> int:
             if hf is not None:
                 hf(batch)
             times = {"graph": [], "eager": [], "hf": []}
+            # At one rank the engine runs in this process, on HF's threads: HF joins the alternation.
+            hf_alternates = hf is not None and args.world_size == 1
             for _ in range(ns.reps):            # graph and eager alternate, so noise hits both alike
-                times["graph"].append(_time(lambda: graphcp_run(False)))
-                times["eager"].append(_time(lambda: graphcp_run(True)))
-            if hf is not None:
+                times["graph"].append(time_ms(lambda: graphcp_run(False)))
+                times["eager"].append(time_ms(lambda: graphcp_run(True)))
+                if hf_alternates:
+                    times["hf"].append(time_ms(lambda: hf(batch)))
+            if hf is not None and not hf_alternates:
                 # HF runs in this process: its OpenMP threads spin after each call and would steal the
                 # cores the ranks need, so it runs as its own block, followed by a pause.
-                times["hf"] = [_time(lambda: hf(batch)) for _ in range(ns.reps)]
+                times["hf"] = [time_ms(lambda: hf(batch)) for _ in range(ns.reps)]
                 time.sleep(0.5)
             med = {k: statistics.median(v) if v else None for k, v in times.items()}
             results.append({

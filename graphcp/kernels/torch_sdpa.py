@@ -1,0 +1,217 @@
+"""Paged varlen attention on torch's fused CPU attention, with the contract of
+``torch_paged_attention`` (the oracle).
+
+torch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) skips the masked half of
+a causal square and never materialises scores, but its ``is_causal`` is top-left aligned and it
+takes one query/key length per call. So a sequence's keys are split where its queries' limits start:
+- keys [0, split), which every query of the block sees: one unmasked call;
+- keys [split, end) along the diagonal: a causal call where the limits step by one (a plain
+  sequence, a zigzag block);
+and the partial results are merged exactly by their log-sum-exp. Where the limits step by c > 1
+(interleave: a rank's queries are every c-th token), the keys past the first query's limit split
+into c residue classes, each a causal square against the queries after the first: one causal call
+with the classes as its batch. Other limits run in row blocks, the narrow diagonal part of each
+with an additive mask. Sequences of one shape share
+calls; rows past the last sequence are zeros. The reference kernel runs instead on CUDA, where the
+torch kernel is only a fallback, and for short batches, where its one padded call costs less than a
+call per shape (measured crossover: requests of about 128 tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphcp.kernels.torch_ref import per_forward, torch_paged_attention
+
+# Rows per block for limits that neither step by one nor by one stride: the masked part is about
+# rows x rows x step keys, small beside the unmasked part at long prompts.
+_MASKED_BLOCK_ROWS = 128
+# Batches whose longest request has at most this many keys go to the reference kernel.
+_SHORT_KV = 128
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass
+class _Block:
+    """Query rows [row_start, row_end) of a group: they see keys [0, split) all, keys [split, end)
+    by ``limits``; None: limits stepping by ``stride`` (1: the top-left causal square
+    ``end - split == row_end - row_start``; c > 1: ``end - split == c * (rows - 1)``)."""
+    row_start: int
+    row_end: int
+    split: int
+    end: int
+    limits: torch.Tensor | None
+    stride: int = 1
+
+
+@dataclass
+class _Group:
+    """Sequences of one shape: query rows [G, q_len] (a slice for one sequence) and KV slots
+    [G, kv_len] (a slice for one sequence on consecutive pages), read once per layer and shared by
+    the group's blocks."""
+    rows: torch.Tensor | slice
+    slots: torch.Tensor | slice
+    blocks: list[_Block]
+
+
+def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+          page_size: int) -> tuple[int, bool, list[_Group]]:
+    """(rows in sequences, whether a sequence sees no key, the groups): layer-independent, made
+    once per forward on the host."""
+    cu = cu_seqlens_q.tolist()
+    used = cu[-1]
+    limits = q_limits[:used]
+    # bad[i]: limit steps other than +1 up to row i; rows with none between them are plain causal.
+    steps = torch.cumsum(limits[1:] - limits[:-1] != 1, 0)
+    bad = torch.cat([limits.new_zeros(1), steps]).tolist()
+    starts, ends = [min(a, used - 1) for a in cu[:-1]], [max(b - 1, 0) for b in cu[1:]]
+    firsts, lasts = (limits[starts].tolist(), limits[ends].tolist()) if used else ([], [])
+    groups, blind, runs = [], False, []
+    open_runs: dict[tuple, int] = {}        # page-table row -> its causal run
+    for seq, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        if end == start:
+            continue
+        first, last = firsts[seq], lasts[seq]
+        if last <= 0:
+            blind = True
+        elif bad[end - 1] != bad[start] or first < 1:
+            groups.append(_strided_group(seq, start, end, limits[start:end], page_rows, page_size))
+        else:
+            # A causal sequence on a row whose run ends one key earlier continues that run: CP 1's
+            # zigzag splits each request into an early and a late block of one causal sequence.
+            row = tuple(page_rows[seq].tolist())
+            run = open_runs.get(row)
+            if run is not None and runs[run][3] + 1 == first:
+                runs[run][1].append((start, end))
+                runs[run][3] = last
+            else:
+                open_runs[row] = len(runs)
+                runs.append([seq, [(start, end)], first, last])
+    shapes: dict[tuple[int, int], list] = {}
+    for seq, pieces, _, last in runs:
+        shapes.setdefault((sum(b - a for a, b in pieces), last), []).append((seq, pieces))
+    for (q_len, kv_len), members in shapes.items():
+        if len(members) == 1 and len(members[0][1]) == 1:
+            rows = slice(*members[0][1][0])
+        else:
+            rows = torch.stack([torch.cat([torch.arange(a, b) for a, b in pieces])
+                                for _, pieces in members])
+        block = _Block(0, q_len, kv_len - q_len, kv_len, None)
+        seqs = [seq for seq, _ in members]
+        groups.append(_Group(rows, _slots(page_rows[seqs], kv_len, page_size), [block]))
+    return used, blind, groups
+
+
+def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
+                   page_size: int) -> _Group:
+    """One sequence whose limits do not step by one: one residue block where they step by one
+    stride, else row blocks whose keys from the block's first limit minus one on are masked (so
+    every masked row sees at least one key)."""
+    steps = limits[1:] - limits[:-1]
+    first, last = limits[[0, -1]].tolist()
+    if steps.numel() and first >= 1 and int(steps[0]) > 1 and bool((steps == steps[0]).all()):
+        block = _Block(0, end - start, first, last, None, int(steps[0]))
+        return _Group(slice(start, end), _slots(page_rows[[seq]], last, page_size), [block])
+    bounds = list(range(0, end - start, _MASKED_BLOCK_ROWS)) + [end - start]
+    firsts = limits[bounds[:-1]].tolist()
+    lasts = limits[[b - 1 for b in bounds[1:]]].tolist()
+    blocks = [_Block(a, b, max(first - 1, 0), last, limits[a:b])
+              for a, b, first, last in zip(bounds[:-1], bounds[1:], firsts, lasts)]
+    return _Group(slice(start, end), _slots(page_rows[[seq]], lasts[-1], page_size), blocks)
+
+
+def _slots(page_rows: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor | slice:
+    """KV slots [G, kv_len]; a slice where one sequence's pages are consecutive (read as a view)."""
+    key_pos = torch.arange(kv_len)
+    pages = page_rows[:, torch.div(key_pos, page_size, rounding_mode="floor")]
+    slots = pages * page_size + torch.remainder(key_pos, page_size)
+    first = int(slots[0, 0])
+    if slots.shape[0] == 1 and torch.equal(slots[0], key_pos + first):
+        return slice(first, first + kv_len)
+    return slots
+
+
+def _read(pool: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    """[G, H, kv_len, D] keys or values of a group."""
+    if isinstance(slots, slice):
+        return pool[slots].unsqueeze(0).transpose(1, 2)
+    rows = pool.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
+
+
+def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
+                         q_limits: torch.Tensor, page_size: int, scale: float, max_q: int,
+                         max_kv: int, out: torch.Tensor, *,
+                         workspace: dict | None = None) -> torch.Tensor:
+    """Same contract as ``torch_paged_attention``; ``max_q`` only tells an empty batch apart,
+    ``max_kv`` also a short one."""
+    if q.device.type != "cpu" or max_kv <= _SHORT_KV:
+        return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits,
+                                     page_size, scale, max_q, max_kv, out, workspace=workspace)
+    if max_q == 0:
+        return out.zero_()
+    meta = (cu_seqlens_q, page_rows, q_limits)
+    used, blind, groups = per_forward(workspace, f"sdpa{page_size}", meta,
+                                      lambda: _plan(*meta, page_size))
+    (out if blind else out[used:]).zero_()
+    for group in groups:
+        k, v = _read(k_pool, group.slots), _read(v_pool, group.slots)     # [G, Hkv, kv_len, D]
+        if isinstance(group.rows, slice):                                 # one sequence
+            qg, og = q[group.rows].unsqueeze(0), out[group.rows].unsqueeze(0)
+            for block in group.blocks:
+                rows = slice(block.row_start, block.row_end)
+                o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)
+                og[:, rows] = o.transpose(1, 2)
+            continue
+        # Several sequences (or one in pieces), causal: one block; rows gathered and put back.
+        rows = group.rows.reshape(-1)
+        qg = q.index_select(0, rows).view(*group.rows.shape, *q.shape[1:])  # [G, q_len, Hq, D]
+        o = _attend_block(qg.transpose(1, 2), k, v, group.blocks[0], scale)  # [G, Hq, q_len, D]
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(rows.shape[0], *q.shape[1:]))
+    return out
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
+                  scale: float) -> torch.Tensor:
+    if block.stride > 1:
+        return _attend_residues(q, k, v, block, scale)
+    diagonal = slice(block.split, block.end)
+    if block.limits is None:
+        o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], is_causal=True, scale=scale)
+    else:
+        keys = torch.arange(block.split, block.end)
+        mask = torch.zeros(block.limits.shape[0], keys.shape[0], dtype=q.dtype)
+        mask.masked_fill_(keys[None, :] >= block.limits[:, None], float("-inf"))
+        o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], attn_mask=mask, scale=scale)
+    if block.split == 0:
+        return o
+    prefix = slice(0, block.split)
+    o_prefix, lse_prefix = _flash(q, k[:, :, prefix], v[:, :, prefix], scale=scale)
+    # softmax over both parts = the parts' softmaxes weighted by exp(lse) / sum
+    weight = torch.sigmoid(lse_prefix - lse).unsqueeze(-1)
+    return torch.lerp(o.float(), o_prefix.float(), weight).to(o.dtype)
+
+
+def _attend_residues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
+                     scale: float) -> torch.Tensor:
+    """Limits first + c * j: query j sees the keys [0, first) and, of key first + c * t + s, those
+    with t < j, for every residue s; so keys past ``first`` in [c, H, rows - 1, D] (residue as the
+    batch) are one causal square against queries 1.. (query 0 sees only the first part)."""
+    o_prefix, lse_prefix = _flash(q, k[:, :, :block.split], v[:, :, :block.split], scale=scale)
+    rows = q.shape[2]
+    if rows == 1:
+        return o_prefix
+    c, tail = block.stride, slice(block.split, block.end)
+
+    def residues(x: torch.Tensor) -> torch.Tensor:                 # [c, H, rows - 1, D] views
+        return x[0, :, tail].unflatten(1, (rows - 1, c)).permute(2, 0, 1, 3)
+
+    o, lse = _flash(q[:, :, 1:].expand(c, -1, -1, -1), residues(k), residues(v), is_causal=True,
+                    scale=scale)
+    # the c + 1 partial softmaxes of queries 1.., weighted by exp(lse) / sum
+    weight = torch.softmax(torch.cat([lse_prefix[:, :, 1:], lse]), 0).unsqueeze(-1)
+    parts = torch.cat([o_prefix[:, :, 1:], o]).float()
+    merged = (weight * parts).sum(0, keepdim=True).to(o.dtype)
+    return torch.cat([o_prefix[:, :, :1], merged], 2)
