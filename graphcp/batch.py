@@ -69,12 +69,13 @@ def _token_tensor(rid: str, ids: object) -> torch.Tensor:
 
 
 def validate_requests(requests: Sequence[Request],
-                      vocab_size: int) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
+                      vocab_size: int) -> tuple[list[str], list[torch.Tensor], list[int], torch.Tensor]:
     """Check a batch before anything is written; raise RequestError naming the first bad request.
-    Returns the rids, each request's ids, and all of them concatenated (the descriptors copy that)."""
+    Returns the rids, each request's ids and length, and all ids concatenated (the descriptors copy
+    that)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
-    rids, ids = [], []
+    rids, ids, lens = [], [], []
     for req in requests:
         if type(req) is not Request and not isinstance(req, Request):
             raise RequestError(f"batch item {req!r} is not a graphcp.Request")
@@ -83,22 +84,33 @@ def validate_requests(requests: Sequence[Request],
             if not isinstance(rid, str) or not rid:
                 raise RequestError(f"request {rid!r}: rid must be a non-empty string")
         rids.append(rid)
-        # The serving path inline: a flat int64 CPU tensor is taken as it is.
-        if not (type(tokens) is torch.Tensor and tokens.dtype is torch.int64 and tokens.dim() == 1
-                and tokens.numel() and not tokens.is_cuda and not tokens.requires_grad):
+        # The serving path inline: a flat int64 tensor is taken as it is (device and autograd are
+        # checked once on the concatenation below).
+        if not (type(tokens) is torch.Tensor and tokens.dtype is torch.int64 and tokens.dim() == 1):
             tokens = _token_tensor(rid, tokens)
+        n = tokens.numel()
+        if not n:
+            tokens = _token_tensor(rid, tokens)      # raises: empty
         ids.append(tokens)
+        lens.append(n)
     if len(set(rids)) != len(rids):
         seen: set[str] = set()
         rid = next(r for r in rids if r in seen or seen.add(r))
         raise RequestError(f"request {rid!r} appears twice in one batch")
+    try:
+        every = torch.cat(ids) if len(ids) > 1 else ids[0]
+    except RuntimeError:            # tensors on different devices
+        every = None
+    if every is None or every.device.type != "cpu" or every.requires_grad:
+        ids = [_token_tensor(rid, t) for rid, t in zip(rids, ids)]
+        every = torch.cat(ids)
     # One range check for the whole batch; the per-request search runs only when it fails.
-    every = torch.cat(ids)
     lo, hi = torch.aminmax(every)
     if int(lo) < 0 or int(hi) >= vocab_size:
         for rid, tokens in zip(rids, ids):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= vocab_size:
                 bad = lo if lo < 0 else hi
-                raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return rids, ids, every
+                raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary "
+                                   f"[0, {vocab_size})")
+    return rids, ids, lens, every

@@ -117,8 +117,7 @@ class Planner:
     def plan(self, requests: Sequence[Request], force_eager: bool = False, graph_reason: str | None = None,
              buckets: Sequence[int] = (), failures: dict[int, str] | None = None) -> BatchPlan:
         """Validate and place a batch; raises RequestError (changing nothing) when it cannot run."""
-        all_rids, all_ids, flat = validate_requests(requests, self.vocab_size)
-        all_ext = [t.numel() for t in all_ids]
+        all_rids, all_ids, all_ext, flat = validate_requests(requests, self.vocab_size)
         groups = self.assign_dp(all_rids, all_ext)
         if len(self.dp_pages) == 1:
             self.pages.check(all_rids, all_ext)

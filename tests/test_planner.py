@@ -3,6 +3,7 @@ and transactions that leave no trace when rolled back."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from graphcp import Request, RequestError
 from graphcp.cp.strategy import make_strategy
@@ -66,6 +67,12 @@ def test_refused_batch_changes_nothing():
         p.plan([Request("x", [1]), Request("x", [2])])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         p.plan([Request("y", [VOCAB])])
+    # the serving path's tensors: an empty one, a 2-D one, a float one (caught per request)
+    for bad, why in ((torch.zeros(0, dtype=torch.long), "empty"),
+                     (torch.zeros(1, 2, dtype=torch.long), "flat"),
+                     (torch.zeros(2), "flat")):
+        with pytest.raises(RequestError, match=f"'t1'.*{why}"):
+            p.plan([Request("t0", torch.ones(3, dtype=torch.long)), Request("t1", bad)])
     assert snapshot(p) == before
 
 
