@@ -68,6 +68,19 @@ def _token_tensor(rid: str, ids: object) -> torch.Tensor:
     return tokens
 
 
+def _checked(requests: Sequence[Request]) -> tuple[list[str], list[torch.Tensor], list[int]]:
+    """Each request checked and its ids converted, raising RequestError for the first bad one."""
+    rids, ids = [], []
+    for req in requests:
+        if not isinstance(req, Request):
+            raise RequestError(f"batch item {req!r} is not a graphcp.Request")
+        if not isinstance(req.rid, str) or not req.rid:
+            raise RequestError(f"request {req.rid!r}: rid must be a non-empty string")
+        rids.append(req.rid)
+        ids.append(_token_tensor(req.rid, req.input_ids))
+    return rids, ids, [t.numel() for t in ids]
+
+
 def validate_requests(requests: Sequence[Request],
                       vocab_size: int) -> tuple[list[str], list[torch.Tensor], list[int], torch.Tensor]:
     """Check a batch before anything is written; raise RequestError naming the first bad request.
@@ -75,24 +88,18 @@ def validate_requests(requests: Sequence[Request],
     that)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
-    rids, ids, lens = [], [], []
-    for req in requests:
-        if type(req) is not Request and not isinstance(req, Request):
-            raise RequestError(f"batch item {req!r} is not a graphcp.Request")
-        rid, tokens = req.rid, req.input_ids
-        if type(rid) is not str or not rid:
-            if not isinstance(rid, str) or not rid:
-                raise RequestError(f"request {rid!r}: rid must be a non-empty string")
-        rids.append(rid)
-        # The serving path inline: a flat int64 tensor is taken as it is (device and autograd are
-        # checked once on the concatenation below).
-        if not (type(tokens) is torch.Tensor and tokens.dtype is torch.int64 and tokens.dim() == 1):
-            tokens = _token_tensor(rid, tokens)
-        n = tokens.numel()
-        if not n:
-            tokens = _token_tensor(rid, tokens)      # raises: empty
-        ids.append(tokens)
-        lens.append(n)
+    # The serving path first: Requests holding flat int64 tensors, taken as they are (device checked
+    # once on the concatenation below); anything else goes through the per-request checks.
+    fast = all(type(r) is Request for r in requests)
+    if fast:
+        rids, ids = [r.rid for r in requests], [r.input_ids for r in requests]
+        fast = (all(type(r) is str and r for r in rids)
+                and all(type(t) is torch.Tensor and t.dtype is torch.int64 and t.dim() == 1
+                        for t in ids))
+        lens = [t.numel() for t in ids] if fast else []
+        fast = fast and all(lens)
+    if not fast:
+        rids, ids, lens = _checked(requests)
     if len(set(rids)) != len(rids):
         seen: set[str] = set()
         rid = next(r for r in rids if r in seen or seen.add(r))
