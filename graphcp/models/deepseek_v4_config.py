@@ -85,6 +85,8 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
     _refuse(raw, "mlp_bias", False, "the shared expert has no biases")
     _refuse(raw, "n_shared_experts", 1, "transformers builds exactly one shared expert")
     _refuse(raw, "norm_topk_prob", True, "V4 renormalises the top-k weights, as transformers")
+    _refuse(raw, "topk_method", "noaux_tc", "transformers picks the top-k of the bias-corrected "
+            "scores")
     scoring = raw.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING:
         raise ConfigError(f"--model-path: DeepSeek V4 scoring_func {scoring!r} is not supported "
