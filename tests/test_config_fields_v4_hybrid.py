@@ -220,7 +220,8 @@ def _v4_rotary(spec) -> tuple[torch.Tensor, float]:  # noqa: ANN001 - a RopeSpec
 
 def _hf_rotary(rotary, label: str | None) -> tuple[torch.Tensor, float]:  # noqa: ANN001
     prefix = f"{label}_" if label else ""
-    return getattr(rotary, f"{prefix}inv_freq"), float(getattr(rotary, f"{prefix}attention_scaling"))
+    scaling = getattr(rotary, f"{prefix}attention_scaling")
+    return getattr(rotary, f"{prefix}inv_freq"), float(scaling)
 
 
 def _assert_agrees_with_hf(name: str, raw: dict) -> None:

@@ -30,7 +30,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v4": "DeepseekV4ForCausalLM", **HYBRID_MODEL_TYPES}
 # transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
-# another fallback (tests/test_config_fields.py checks every field against the classes).
+# another fallback (tests/test_config_fields*.py check every field against the classes).
 _QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
 _HF_DEFAULTS = {
     "LlamaForCausalLM": dict(max_position_embeddings=2048),

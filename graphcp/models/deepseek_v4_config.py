@@ -122,7 +122,8 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
     if top_k > experts:
         raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds "
                           f"n_routed_experts={experts}")
-    inter = need("intermediate_size") if "intermediate_size" in raw else get("moe_intermediate_size")
+    inter = (need("intermediate_size") if "intermediate_size" in raw
+             else get("moe_intermediate_size"))
     return dict(
         vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), intermediate_size=inter,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
