@@ -45,7 +45,8 @@ test: $(STAMP)
 # For iteration (under 3 minutes): the unit tests, the layouts, and one single-rank engine per family
 # against HF. Run `make test` (the CI command) before you commit.
 FAST := tests/test_architecture.py tests/test_layout.py tests/test_planner.py tests/test_layer_split.py \
-	tests/test_rope.py tests/test_config_fields.py tests/test_gpu_check.py tests/test_flashinfer_args.py \
+	tests/test_rope.py tests/test_config_fields.py tests/test_config_fields_v4_hybrid.py \
+	tests/test_gpu_check.py tests/test_flashinfer_args.py \
 	tests/test_cuda_semantics.py tests/test_rank_faults.py tests/test_parity_single.py tests/test_errors.py \
 	tests/test_dsa.py::test_single_rank_matches_hf tests/test_moe.py::test_single_rank_matches_hf
 test-fast: $(STAMP)

@@ -1,24 +1,13 @@
-"""Every config field of the supported families, classified and checked against graphcp's reader.
+"""Every config field of the dense, Qwen3-MoE and MLA families, classified and checked against
+graphcp's reader (the machinery and the kinds of field: tests/config_fields.py).
 
 The fields are the ``to_dict()`` keys of transformers' config classes plus the released config.json
-fields those classes do not declare (DeepSeek's ``scoring_func``, GLM-5.2's schedule, ...). Each is
-one of:
-- read: ``ALT`` gives another value (after a context patch); graphcp's ModelConfig changes, or the
-  value is refused with a ConfigError naming the field. Dropped from config.json, the field reads
-  as transformers' default for that class (or graphcp requires it, naming it).
-- fixed: transformers runs one value; graphcp accepts it and refuses any other, naming the field.
-- inert: cannot change prefill numerics (the reason is given); another value changes nothing.
-A field transformers adds and nobody classified fails ``test_every_field_is_classified``.
+fields those classes do not declare (DeepSeek's ``scoring_func``, GLM-5.2's schedule, ...).
 """
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
-
-from graphcp import ConfigError
-from graphcp.models.config import _from_raw
+from config_fields import DROP, INERT, FieldTable, hf_config, read
 
 CLASSES = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
            "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
@@ -41,30 +30,6 @@ TINY = {"Qwen3Config": dict(DENSE, head_dim=32),
                                  v_head_dim=24, qk_nope_head_dim=16, n_group=4, topk_group=1,
                                  first_k_dense_replace=1)}
 
-INERT = {
-    "_name_or_path": "where the checkpoint was loaded from",
-    "transformers_version": "the version that wrote the file",
-    "torch_dtype": "the storage dtype; the compute dtype is --dtype (weights are cast on load)",
-    "dtype": "the storage dtype; the compute dtype is --dtype (weights are cast on load)",
-    "attention_dropout": "dropout runs in training only",
-    "initializer_range": "random initialization only",
-    "bos_token_id": "tokenizer / generation", "eos_token_id": "tokenizer / generation",
-    "pad_token_id": "the embedding's padding_idx only masks gradients",
-    "chunk_size_feed_forward": "these models never chunk their feed-forward",
-    "id2label": "classification heads", "label2id": "classification heads",
-    "problem_type": "classification heads",
-    "is_encoder_decoder": "generation utilities; these models are decoder-only either way",
-    "output_attentions": "what HF returns", "output_hidden_states": "what HF returns",
-    "return_dict": "what HF returns", "use_cache": "HF's decode cache; graphcp always caches",
-    "pretraining_tp": "transformers 5 no longer reads it (Llama)",
-    "output_router_logits": "the router's training loss", "router_aux_loss_coef": "training loss",
-    "aux_loss_alpha": "training loss", "seq_aux": "training loss",
-    "ep_size": "a deployment hint; graphcp's expert parallelism is --ep",
-    "num_nextn_predict_layers": "the MTP draft layers are not part of the prefill forward; "
-                                "their weights are skipped",
-    "index_share_for_mtp_iteration": "the MTP layers' indexer",
-    "auto_map": "remote-code class names; graphcp serves the architecture with its own model",
-}
 INERT_FOR = {   # inert for these classes only: transformers' model ignores the field there
     "head_dim": (MLA, "HF overwrites it with qk_rope_head_dim"),
     "qk_head_dim": (MLA, "HF recomputes it as qk_nope_head_dim + qk_rope_head_dim"),
@@ -79,7 +44,6 @@ FIXED = {"scoring_func": ("sigmoid", "softmax"), "topk_method": ("noaux_tc", "gr
 FIXED_FOR = {"indexer_rope_interleave": {"DeepseekV32Config": (False, True),
                                          "GlmMoeDsaConfig": (True, False)},
              "rope_interleave": {c: (True, False) for c in DSA}}     # DeepSeek-V3 reads it
-DROP = "<drop>"            # in a context patch: leave the field out of config.json
 NO_WINDOW = dict(layer_types=None, sliding_window=64, use_sliding_window=True, max_window_layers=1)
 FREE_LAYERS = dict(mlp_layer_types=None, layer_types=None, indexer_types=None)
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
@@ -119,10 +83,6 @@ ALT = {
     "index_skip_topk_offset": ({"indexer_types": None, "index_topk_freq": 2}, 1),
     "index_topk_pattern": ({"indexer_types": None}, "FS"),
 }
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-               "GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32",
-               "DeepseekV3ForCausalLM": "deepseek_v3"}
 OTHER_ARCH = {"LlamaConfig": "MistralForCausalLM", "MistralConfig": "LlamaForCausalLM",
               "Qwen2Config": "Qwen3ForCausalLM", "Qwen3Config": "Qwen2ForCausalLM",
               "Qwen3MoeConfig": "Qwen3ForCausalLM", "DeepseekV32Config": "GlmMoeDsaForCausalLM",
@@ -141,119 +101,25 @@ V3_EXTRAS = DENSE_EXTRAS + ["scoring_func", "topk_method", "moe_layer_freq", "ep
 EXTRAS = {c: DSA_EXTRAS if c in DSA else V3_EXTRAS if c == "DeepseekV3Config"
           else DENSE_EXTRAS + (["num_experts"] if "Moe" in c else []) for c in CLASSES}
 
-
-def _config(name: str, **kwargs):  # noqa: ANN202 - a transformers config
-    import transformers
-    return getattr(transformers, name)(**kwargs)
-
-
-@functools.cache
-def _tiny(name: str) -> dict:
-    raw = _config(name, **TINY.get(name, DENSE)).to_dict()
-    raw["architectures"] = [CLASSES[name]]
-    return raw
-
-
-def _base(name: str) -> dict:
-    return copy.deepcopy(_tiny(name))
-
-
-def _kind(name: str, field: str) -> str:
-    if field in INERT or (field in INERT_FOR and name in INERT_FOR[field][0]):
-        return "inert"
-    if field in FIXED or (field in FIXED_FOR and name in FIXED_FOR[field]):
-        return "fixed"
-    return "read" if field in ALT else "unclassified"
-
-
-def _fields(name: str) -> list[str]:
-    return sorted(set(_base(name)) | set(EXTRAS[name]))
-
-
-def _read(raw: dict):  # noqa: ANN202 - a ModelConfig
-    return _from_raw(copy.deepcopy(raw), "config.json")
-
-
-def _patched(raw: dict, patch: dict) -> dict:
-    out = {**raw, **copy.deepcopy(patch)}
-    return {k: v for k, v in out.items() if v != DROP and (v is not None or k in raw)}
-
-
-CASES = [(name, field) for name in CLASSES for field in _fields(name)]
+TABLE = FieldTable(classes=CLASSES, tiny={c: TINY.get(c, DENSE) for c in CLASSES}, extras=EXTRAS,
+                   other_arch=OTHER_ARCH, inert=INERT, fixed=FIXED, alt=ALT,
+                   inert_for=INERT_FOR, fixed_for=FIXED_FOR)
+CASES = TABLE.cases()
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_every_field_is_classified(name):
-    unclassified = [f for f in _fields(name) if _kind(name, f) == "unclassified"]
-    assert not unclassified, f"{name}: classify {unclassified} in tests/test_config_fields.py"
+    TABLE.check_classified(name)
 
 
 @pytest.mark.parametrize("name,field", CASES, ids=[f"{n}-{f}" for n, f in CASES])
 def test_field_is_honoured_refused_or_inert(name, field):
-    kind, base = _kind(name, field), _base(name)
-    if kind == "inert":
-        changed = dict(base, **{field: _perturbed(base.get(field))})
-        assert _read(changed) == _read(base), f"{field} ({INERT.get(field)}) changed the model"
-    elif kind == "fixed":
-        accepted, refused = FIXED_FOR[field][name] if field in FIXED_FOR else FIXED[field]
-        assert _read(dict(base, **{field: accepted})) == _read(base)
-        with pytest.raises(ConfigError, match=field):
-            _read(dict(base, **{field: refused}))
-    else:
-        patch, alt = ALT[field]
-        if field == "architectures":
-            alt = [OTHER_ARCH[name]]
-        elif field == "model_type":
-            alt = MODEL_TYPES[OTHER_ARCH[name]]
-        elif alt == "flip":
-            alt = not base[field]
-        context = _patched(base, patch)
-        before = _read(context)
-        try:
-            after = _read(dict(context, **{field: alt}))
-        except ConfigError as e:
-            assert field in str(e), f"{field}={alt!r} refused without naming it: {e}"
-            return
-        assert after != before, f"{field}={alt!r} did not change what graphcp reads"
-
-
-def _perturbed(value):  # noqa: ANN001, ANN202
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, (int, float)):
-        return value * 2 + 1
-    if isinstance(value, str):
-        return value + "-changed"
-    return {"changed": 1} if isinstance(value, dict) else 7
+    TABLE.check_field(name, field)
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_a_dropped_field_reads_as_transformers_default(name):
-    """Absent from config.json, a field graphcp reads means what transformers' class default
-    means, or graphcp requires it and says which. (A default that does not fit the tiny config,
-    such as 128 experts for top-8 of 4, is skipped.)"""
-    import dataclasses
-    import transformers
-    defaults = {f.name: f.default for f in dataclasses.fields(getattr(transformers, name))
-                if f.default is not dataclasses.MISSING}
-    base = _base(name)
-    wrong = []
-    for field in sorted(set(base) & set(defaults)):
-        if _kind(name, field) != "read" or field in ("architectures",):
-            continue
-        dropped = {k: v for k, v in base.items() if k != field}
-        try:
-            ours = _read(dropped)
-        except ConfigError as e:
-            assert field in str(e), f"{field} dropped: {e}"
-            continue
-        try:
-            theirs = _read(dict(base, **{field: defaults[field]}))
-        except ConfigError:
-            continue
-        if ours != theirs:
-            wrong.append(field)
-    assert not wrong, f"{name}: a dropped {wrong} does not read as transformers' default"
+    TABLE.check_dropped(name)
 
 
 def test_mla_norm_epsilons_are_hfs():
@@ -264,12 +130,12 @@ def test_mla_norm_epsilons_are_hfs():
     from graphcp.models.mla import MLAttention
     for name, module in (("DeepseekV32Config", "deepseek_v32"), ("GlmMoeDsaConfig", "glm_moe_dsa"),
                          ("DeepseekV3Config", "deepseek_v3")):
-        config = _config(name, **dict(TINY[name], rms_norm_eps=1e-2))
+        config = hf_config(name, **dict(TINY[name], rms_norm_eps=1e-2))
         attn_class = name.replace("Config", "Attention")
         theirs = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
                          attn_class)(config, 0)
         with torch.device("meta"):
-            ours = MLAttention(_read(_base(name) | {"rms_norm_eps": 1e-2}), 0)
+            ours = MLAttention(read(TABLE.base(name) | {"rms_norm_eps": 1e-2}), 0)
         assert ours.q_a_layernorm.eps == theirs.q_a_layernorm.variance_epsilon == 1e-6
         assert ours.kv_a_layernorm.eps == theirs.kv_a_layernorm.variance_epsilon == 1e-6
         if name in DSA:

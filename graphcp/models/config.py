@@ -30,7 +30,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                 "deepseek_v4": "DeepseekV4ForCausalLM", **HYBRID_MODEL_TYPES}
 # transformers' class defaults, for the fields a config.json may leave out that graphcp reads with
-# another fallback (tests/test_config_fields.py checks every field against the classes).
+# another fallback (tests/test_config_fields*.py check every field against the classes).
 _QWEN = dict(max_position_embeddings=32768, sliding_window=4096)
 _HF_DEFAULTS = {
     "LlamaForCausalLM": dict(max_position_embeddings=2048),
@@ -124,8 +124,8 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
                           f"(supported: {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
     raw = {**_HF_DEFAULTS[arch], **_expert_count(raw, arch)}
-    if arch == "Qwen3_5MoeForCausalLM":     # every layer is MoE: no dense FFN size of its own
-        raw.setdefault("intermediate_size", raw.get("moe_intermediate_size"))
+    if arch == "Qwen3_5MoeForCausalLM":     # every layer is MoE: HF's text model never reads
+        raw["intermediate_size"] = raw.get("moe_intermediate_size")     # intermediate_size
     # transformers builds model_type's class (AutoModelForCausalLM), whatever architectures names.
     built = _MODEL_TYPES.get(raw.get("model_type", ""), arch)
     if built != arch:
@@ -243,9 +243,10 @@ def check_expert_parallel(cfg: ModelConfig, ep_size: int) -> None:
 def _sliding_window(raw: dict, arch: str, num_layers: int) -> int | None:
     """The attention window when any layer uses one, as HF transformers reads the config: ``layer_types``
     where present; else Mistral's ``sliding_window``, or Qwen2/3's ``use_sliding_window`` for the layers
-    from ``max_window_layers`` on. Llama has none."""
+    from ``max_window_layers`` on. Llama and the hybrid models have none."""
     window = raw.get("sliding_window")
-    if not isinstance(window, int) or window <= 0 or arch == "LlamaForCausalLM":
+    if (not isinstance(window, int) or window <= 0 or arch == "LlamaForCausalLM"
+            or arch in HYBRID_ARCHITECTURES):
         return None
     if raw.get("layer_types") is not None:
         return window if "sliding_attention" in raw["layer_types"] else None

@@ -54,7 +54,6 @@ class DeepseekV4Config:
     swiglu_limit: float
     main_rope: RopeSpec
     compress_rope: RopeSpec
-    num_nextn_predict_layers: int
 
     def rope(self, layer: int) -> RopeSpec:
         return self.main_rope if self.layer_types[layer] == SLIDING else self.compress_rope
@@ -86,6 +85,8 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
     _refuse(raw, "mlp_bias", False, "the shared expert has no biases")
     _refuse(raw, "n_shared_experts", 1, "transformers builds exactly one shared expert")
     _refuse(raw, "norm_topk_prob", True, "V4 renormalises the top-k weights, as transformers")
+    _refuse(raw, "topk_method", "noaux_tc", "transformers picks the top-k of the bias-corrected "
+            "scores")
     scoring = raw.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING:
         raise ConfigError(f"--model-path: DeepSeek V4 scoring_func {scoring!r} is not supported "
@@ -108,20 +109,21 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
         hc_sinkhorn_iters=get("hc_sinkhorn_iters"), hc_eps=_positive(raw, "hc_eps", 1e-6),
         hash_layers=_hash_layers(raw, layers), scoring_func=scoring,
         routed_scaling_factor=_positive(raw, "routed_scaling_factor", 1.5),
-        swiglu_limit=_positive(raw, "swiglu_limit", 10.0),
-        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
-        **_ropes(raw, head_dim))
+        swiglu_limit=_positive(raw, "swiglu_limit", 10.0), **_ropes(raw, head_dim))
     if heads % v4.o_groups:
         raise ConfigError(f"--model-path: o_groups={v4.o_groups} must divide "
                           f"num_attention_heads={heads}")
     if CSA in kinds and v4.compress_rope.dim > v4.index_head_dim:
         raise ConfigError(f"--model-path: the compressed rotary covers {v4.compress_rope.dim} "
                           f"features, more than index_head_dim={v4.index_head_dim}")
-    experts, top_k = get("n_routed_experts"), get("num_experts_per_tok")
+    # transformers' attribute_map: num_local_experts and intermediate_size, where given, win
+    experts = need("num_local_experts") if "num_local_experts" in raw else get("n_routed_experts")
+    top_k = get("num_experts_per_tok")
     if top_k > experts:
         raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds "
                           f"n_routed_experts={experts}")
-    inter = get("moe_intermediate_size")
+    inter = (need("intermediate_size") if "intermediate_size" in raw
+             else get("moe_intermediate_size"))
     return dict(
         vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), intermediate_size=inter,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1,
@@ -181,14 +183,15 @@ def _hash_layers(raw: dict, layers: int) -> tuple[bool, ...]:
 def _ropes(raw: dict, head_dim: int) -> dict:
     """The "main" and "compress" rotaries: nested ``rope_parameters`` as transformers writes them,
     or the flat legacy form (top-level YaRN parameters apply to the compressed layers only, with
-    attention_factor 1.0)."""
+    attention_factor 1.0). A non-empty legacy ``rope_scaling`` replaces ``rope_parameters`` whole,
+    as in transformers."""
     if raw.get("partial_rotary_factor") is not None:
         factor = raw["partial_rotary_factor"]
     else:
         factor = raw["qk_rope_head_dim"] / head_dim if "qk_rope_head_dim" in raw else 64 / 512
-    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        main, compress = params["main"], params["compress"]
+        main, compress = (_nested(label, params[label], raw) for label in ("main", "compress"))
     else:
         flat = {k: v for k, v in params.items() if k not in ("main", "compress")}
         main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0),
@@ -199,6 +202,19 @@ def _ropes(raw: dict, head_dim: int) -> dict:
             compress.setdefault("attention_factor", 1.0)
     return dict(main_rope=_rope_spec("main", main, head_dim, raw),
                 compress_rope=_rope_spec("compress", compress, head_dim, raw))
+
+
+def _nested(label: str, params: dict, raw: dict) -> dict:
+    """One nested rotary completed as transformers' standardization completes it: the top-level
+    rope_theta (default 10000) and partial_rotary_factor where the rotary has none. Without
+    either, transformers' factor depends on the order it builds the two rotaries: refused."""
+    params = {"rope_theta": raw.get("rope_theta", 10000.0), **params}
+    if raw.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    if "partial_rotary_factor" not in params:
+        raise ConfigError(f"--model-path: rope_parameters[{label!r}] needs partial_rotary_factor "
+                          "(or a top-level partial_rotary_factor)")
+    return params
 
 
 def _rope_spec(label: str, params: dict, head_dim: int, raw: dict) -> RopeSpec:
@@ -217,13 +233,19 @@ def _rope_spec(label: str, params: dict, head_dim: int, raw: dict) -> RopeSpec:
     if kind != "yarn":
         raise ConfigError(f"--model-path: rope_parameters[{label!r}] rope_type {kind!r} is not "
                           "supported (default, yarn)")
-    original = params.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original < 1:
-        raise ConfigError(f"--model-path: rope_parameters[{label!r}] yarn needs "
-                          "original_max_position_embeddings")
-    yarn = dict(params)
-    if yarn.get("factor") is None:       # as transformers: the context extension ratio
-        yarn["factor"] = raw.get("max_position_embeddings", 1 << 20) / original
+    if "factor" not in params:           # a KeyError in transformers
+        raise ConfigError(f"--model-path: rope_parameters[{label!r}] yarn needs factor")
+    context = raw.get("max_position_embeddings", 1 << 20)
+    # transformers' standardization: the original context defaults to max_position_embeddings
+    original = params.get("original_max_position_embeddings", context)
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"--model-path: rope_parameters[{label!r}] yarn "
+                          f"original_max_position_embeddings={original!r} must be a positive "
+                          "integer")
+    yarn = dict(params, original_max_position_embeddings=original)
+    if yarn["factor"] is None:           # as transformers: the context extension ratio
+        yarn["factor"] = context / original
+    yarn["factor"] = _positive(yarn, "factor", 1.0)
     return RopeSpec(float(theta), dim, yarn)
 
 

@@ -66,7 +66,10 @@ def hybrid_fields(raw: dict, arch: str, num_layers: int, head_dim: int,
     if v_heads % k_heads:
         raise ConfigError(f"--model-path: linear_num_value_heads={v_heads} must be a multiple of "
                           f"linear_num_key_heads={k_heads}")
-    rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    if raw.get("attn_output_gate", True) is not True:
+        raise ConfigError(f"--model-path: attn_output_gate={raw['attn_output_gate']!r} is not "
+                          "supported (transformers gates every full-attention layer)")
+    _, rope = _rope_source(raw)
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
     numeric = isinstance(factor, (int, float)) and 0 < factor <= 1
     rotary_dim = int(head_dim * factor) if numeric else 0
@@ -104,15 +107,23 @@ def hybrid_kinds(cfg: HybridConfig) -> tuple[str, ...]:
     return tuple(KIND[t] for t in cfg.layer_types)
 
 
+def _rope_source(raw: dict) -> tuple[str, dict]:
+    """(key, rope parameters): a non-empty legacy ``rope_scaling`` replaces ``rope_parameters``
+    whole, as in transformers."""
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    params = raw.get(key) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"--model-path: {key} must be a mapping, got {params!r}")
+    return key, params
+
+
 def hybrid_rope(raw: dict) -> dict:
     """The config as the rope reader should see it: the rotary part of a head is what rotates, so
     ``partial_rotary_factor`` (which sets that part) is not applied a second time."""
-    params = {k: v for k, v in (raw.get("rope_parameters") or {}).items()
-              if k != "partial_rotary_factor"}
-    legacy = {k: v for k, v in (raw.get("rope_scaling") or {}).items()
-              if k != "partial_rotary_factor"}
+    key, params = _rope_source(raw)
+    params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
     return {**{k: v for k, v in raw.items() if k != "partial_rotary_factor"},
-            "rope_parameters": params or None, "rope_scaling": legacy or None}
+            "rope_parameters": None, "rope_scaling": None, key: params or None}
 
 
 def check_hybrid_flags(args) -> None:  # noqa: ANN001 - EngineArgs
