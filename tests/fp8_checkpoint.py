@@ -14,15 +14,18 @@ from safetensors.torch import load_file, save_file
 FP8_MAX = 448.0
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn weight and float32 scale_inv per (rows x cols) block: amax / 448; edge blocks
-    partial."""
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int],
+                    power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn weight and float32 scale_inv per (rows x cols) block: amax / 448 (rounded up to
+    a power of two for scale_fmt ue8m0, as DeepSeek V3.1 on); edge blocks partial."""
     (n, k), (bo, bi) = w.shape, block
     rows, cols = -(-n // bo), -(-k // bi)
     padded = torch.zeros(rows * bo, cols * bi)
     padded[:n, :k] = w.float()
     blocks = padded.view(rows, bo, cols, bi)
     scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(rows * bo, cols * bi)
     return q[:n, :k].contiguous(), scale
 
@@ -39,11 +42,13 @@ def make_fp8_checkpoint(
     dst_dequantized: str,
     block: tuple[int, int],
     skip: tuple[str, ...] = ("lm_head",),
+    scale_fmt: str | None = None,
 ) -> tuple[str, str]:
     """Quantize every ``*_proj.weight`` and Gated DeltaNet ``in_proj_*.weight`` of ``src`` (MoE
     experts' too; not the router ``mlp.gate``) outside ``skip`` (module names, each covering the
     modules under it); write the FP8 checkpoint (with its quantization_config) and the dequantized
-    float32 one (the plain config)."""
+    float32 one (the plain config). ``scale_fmt`` "ue8m0": power-of-two scales, written in the
+    config as the released files do."""
     weights = load_file(os.path.join(src, "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, w in weights.items():
@@ -51,7 +56,7 @@ def make_fp8_checkpoint(
         skipped = any(module == s or module.startswith(s + ".") for s in skip)
         projection = name.endswith("_proj.weight") or ".in_proj_" in name
         if projection and not skipped:
-            q, s = quantize_blocks(w, block)
+            q, s = quantize_blocks(w, block, scale_fmt == "ue8m0")
             quantized[name], quantized[name + "_scale_inv"] = q, s
             dequantized[name] = dequantize_blocks(q, s, block)
         else:
@@ -67,6 +72,7 @@ def make_fp8_checkpoint(
         "activation_scheme": "dynamic",
         "weight_block_size": list(block),
         "modules_to_not_convert": list(skip),
+        **({"scale_fmt": scale_fmt} if scale_fmt else {}),
     }
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)

@@ -51,6 +51,7 @@ def test_config_reads_fp8_and_refuses_other_methods(fp8_ckpt, tmp_path):
             "static",
         ),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e5m2"}, "scale_fmt"),
     ]
     for quant, match in bad:
         d = tmp_path / match
@@ -252,3 +253,22 @@ def test_bad_fp8_checkpoints_refused_before_allocation(
     monkeypatch.setattr(CausalLM, "to_empty", no_allocation)
     with pytest.raises(ConfigError, match=match):
         Engine(EngineArgs(model_path=str(d), max_total_tokens=1024, disable_cuda_graph=True))
+
+
+def test_ue8m0_scales_match_hf_and_other_scales_are_refused(ckpt_dir, engines, oracle, tmp_path):
+    """scale_fmt ue8m0 (DeepSeek V3.1 on): power-of-two scales stored as float32 load exactly; a
+    scale that is no power of two contradicts the config and is refused, naming it."""
+    src = make_checkpoint(str(ckpt_dir / "fp8-src"), "qwen3", seed=5, hidden_size=72,
+                          intermediate_size=200)
+    path, dequantized = make_fp8_checkpoint(src, str(ckpt_dir / "fp8-ue8m0"),
+                                            str(ckpt_dir / "fp8-ue8m0-dequantized"), BLOCK, SKIP,
+                                            scale_fmt="ue8m0")
+    assert read_model_config(path).fp8_scale_fmt == "ue8m0"
+    engine = engines.get(path)
+    assert _parity(engine, oracle, dequantized, 1) <= 1e-4
+    bad = shutil.copytree(path, tmp_path / "not-a-power-of-two")
+    weights = load_file(os.path.join(bad, "model.safetensors"))
+    weights["model.layers.0.mlp.up_proj.weight_scale_inv"][0, 0] *= 1.5
+    save_file(weights, os.path.join(bad, "model.safetensors"))
+    with pytest.raises(ConfigError, match="up_proj.weight_scale_inv.*scale_fmt is 'ue8m0'"):
+        Engine(EngineArgs(model_path=str(bad), max_total_tokens=1024, disable_cuda_graph=True))

@@ -79,6 +79,7 @@ class ModelConfig:
     sliding_window: int | None = None   # set when some layer attends through a window (graphcp caps the context)
     fp8_block: tuple[int, int] | None = None   # FP8 checkpoint: weight_block_size (output rows, input columns)
     fp8_skip: tuple[str, ...] = ()              # FP8 checkpoint: modules left unquantized (modules_to_not_convert)
+    fp8_scale_fmt: str = "float"                # FP8 checkpoint: "ue8m0": every block scale a power of two
     num_experts: int = 0                # MoE (Qwen3-MoE): routed experts, 0 for dense models
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -140,9 +141,10 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
         return raw[key]
 
     if arch in V4_ARCHITECTURES:       # its own rotaries, layer kinds and MoE fields
-        fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
+        fp8_block, fp8_skip, scale_fmt = _fp8_quantization(raw.get("quantization_config"))
         fields = v4_fields(raw, need)
         return ModelConfig(architecture=arch, family=family, fp8_block=fp8_block, fp8_skip=fp8_skip,
+                           fp8_scale_fmt=scale_fmt,
                            attention_kinds=v4_attention_kinds(fields["v4"]), **fields)
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
@@ -154,7 +156,7 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
     if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2 or head_dim > LIMITS["head_dim"]:
         name = "qk_rope_head_dim" if dsa else "head_dim"
         raise ConfigError(f"--model-path: {name}={head_dim!r} must be an even positive integer")
-    fp8_block, fp8_skip = _fp8_quantization(raw.get("quantization_config"))
+    fp8_block, fp8_skip, scale_fmt = _fp8_quantization(raw.get("quantization_config"))
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     # As transformers builds them: Llama and Qwen3 put attention_bias on q/k/v/o, Qwen2 always biases q/k/v
@@ -174,7 +176,7 @@ def _from_raw(raw: dict, source: str) -> ModelConfig:
             "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
         mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
         sliding_window=_sliding_window(raw, arch, need("num_hidden_layers")),
-        fp8_block=fp8_block, fp8_skip=fp8_skip,
+        fp8_block=fp8_block, fp8_skip=fp8_skip, fp8_scale_fmt=scale_fmt,
     )
     if arch == "Qwen3_5MoeForCausalLM":       # its router always renormalises the top-k
         raw = {**raw, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
@@ -257,11 +259,12 @@ def _sliding_window(raw: dict, arch: str, num_layers: int) -> int | None:
     return None
 
 
-def _fp8_quantization(quant: object) -> tuple[tuple[int, int] | None, tuple[str, ...]]:
-    """(weight_block_size, modules left unquantized) of a DeepSeek/Qwen-style FP8 checkpoint, or (None, ())
-    without quantization. Every other method is refused: graphcp has no kernels for it."""
+def _fp8_quantization(quant: object) -> tuple[tuple[int, int] | None, tuple[str, ...], str]:
+    """(weight_block_size, modules left unquantized, scale_fmt) of a DeepSeek/Qwen-style FP8
+    checkpoint, or (None, (), "float") without quantization. Every other method is refused: graphcp
+    has no kernels for it."""
     if not quant:
-        return None, ()
+        return None, (), "float"
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
     if method != "fp8" or not isinstance(quant, dict):
         raise ConfigError(f"--model-path: quantized checkpoints other than fp8 are not supported "
@@ -281,4 +284,9 @@ def _fp8_quantization(quant: object) -> tuple[tuple[int, int] | None, tuple[str,
     skip = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
         raise ConfigError(f"--model-path: fp8 modules_to_not_convert {skip!r} must be a list of module names")
-    return (block[0], block[1]), tuple(skip)
+    # ue8m0 (DeepSeek V3.1 on): scales are powers of two, stored as float32 in the released files;
+    # transformers holds them as float8_e8m0fnu, exact for those values (the loader checks them).
+    scale_fmt = quant.get("scale_fmt", "float")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ConfigError(f"--model-path: fp8 scale_fmt {scale_fmt!r} is not supported (float, ue8m0)")
+    return (block[0], block[1]), tuple(skip), scale_fmt

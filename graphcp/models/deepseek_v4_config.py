@@ -97,9 +97,6 @@ def v4_fields(raw: dict, need: Callable[[str], int]) -> dict:
     if expert_dtype not in (None, "fp8"):
         raise ConfigError(f"--model-path: quantization_config expert_dtype {expert_dtype!r} is not "
                           "supported (fp8 experts; graphcp has no FP4 expert path)")
-    if quant.get("scale_fmt", "float") != "float":
-        raise ConfigError(f"--model-path: quantization_config scale_fmt {quant['scale_fmt']!r} is "
-                          "not supported (float block scales)")
     kinds, rates = _layer_kinds(raw, layers)
     v4 = DeepseekV4Config(
         q_lora_rank=get("q_lora_rank"), o_groups=get("o_groups"), o_lora_rank=get("o_lora_rank"),

@@ -84,11 +84,13 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     if quantized and keep_fp8:
         shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
 
+    read = _power_of_two_scales(reader.read) if cfg.fp8_scale_fmt == "ue8m0" else reader.read
+
     def read_expert(source: str, shard: tuple[int, int, int]) -> torch.Tensor:
         """FP8 experts are dequantized at load on every device (no FP8 grouped GEMM yet)."""
         if source in quantized:
-            return _finite(source, fp8.read_dequantized(reader.read, source, shard, cfg.fp8_block))
-        return _finite(source, reader.read(source, shard))
+            return _finite(source, fp8.read_dequantized(read, source, shard, cfg.fp8_block))
+        return _finite(source, read(source, shard))
 
     expert_params = {f"{prefix}.{p}" for prefix, _ in _experts(model) for p in ("gate_up_proj", "down_proj")}
     with torch.no_grad():
@@ -97,9 +99,9 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
                 continue
             source = model.source_name(name)
             if source in quantized and not keep_fp8:
-                tensor = fp8.read_dequantized(reader.read, source, shards.get(name), cfg.fp8_block)
+                tensor = fp8.read_dequantized(read, source, shards.get(name), cfg.fp8_block)
             else:
-                tensor = reader.read(source, shards.get(name))
+                tensor = read(source, shards.get(name))
             param.copy_(_finite(source, tensor))
 
         for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
@@ -116,6 +118,20 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
 
 def _experts(model: DecoderLM) -> list[tuple[str, Experts]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def _power_of_two_scales(read):  # noqa: ANN001, ANN202 - the reader's read(name, shard)
+    """``read`` checking that every FP8 block scale it returns is a power of two (scale_fmt ue8m0:
+    transformers stores them as float8_e8m0fnu, which holds nothing else)."""
+    def checked(source: str, shard):  # noqa: ANN001, ANN202
+        tensor = read(source, shard)
+        if source.endswith("_scale_inv"):
+            mantissa, _ = torch.frexp(tensor.float())
+            if not bool((mantissa == 0.5).all()):
+                raise ConfigError(f"--model-path: tensor {source} holds a scale that is not a power of "
+                                  "two, but quantization_config scale_fmt is 'ue8m0'")
+        return tensor
+    return checked
 
 
 def _finite(source: str, tensor: torch.Tensor) -> torch.Tensor:
