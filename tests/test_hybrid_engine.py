@@ -155,3 +155,31 @@ def test_too_many_requests_is_a_request_error(hybrid, engines):
     for rid in held + ["x"]:
         engine.release(rid)
     assert engine.stats()["state_slots_free"] == total
+
+
+def test_pipeline_stages_and_expert_parallel_equal_hf(hybrid, engines):
+    """Qwen3-Next over PP 2 x CP 2 zigzag, its MoE layers over EP 2 (all-to-all): each stage holds
+    the states of its own linear layers only (layer 0 on stage 0, layers 2 and 3 on stage 1), and
+    logits and every layer's caches equal HF, chunked."""
+    paths, reference = hybrid
+    path = paths["qwen3_next"]
+    engine = engines.get(path, **cp_kwargs(2, pp_size=2, ep_size=2, moe_a2a_backend="all_to_all",
+                                           **SMALL))
+    worst = 0.0
+    for batch in BATCHES:
+        out = engine.prefill([Request(r, TOKENS[r][s:e]) for r, s, e in batch])
+        for row, (rid, _, end) in enumerate(batch):
+            err = rel_err(out.logits[row], reference(path, TOKENS[rid])[0][end - 1])
+            assert err <= TOL, f"{rid} at {end}: logits rel err {err:.2e}"
+            worst = max(worst, err)
+    for rid in LENGTHS:
+        worst = max(worst, _check_caches(engine, rid, reference(path, TOKENS[rid]), rid))
+    h = read_model_config(path).hybrid
+    per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
+    slots = 4 + 1                                     # 2 + 2 spare, and the dummy slot
+    # ranks: stage 0 (CP ranks 0, 1) then stage 1 (CP ranks 2, 3)
+    assert engine.stats()["state_bytes_per_rank"] == [slots * per_layer] * 2 + \
+        [slots * 2 * per_layer] * 2
+    for rid in LENGTHS:
+        engine.release(rid)
+    print(f"qwen3_next PP 2 x CP 2, EP 2: worst rel err {worst:.1e}")

@@ -10,6 +10,7 @@ import json
 import os
 
 import torch
+from torch import nn
 from safetensors import safe_open
 
 from graphcp.errors import ConfigError
@@ -67,7 +68,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
         expected.update(tensors)
         quantized.update(fp8.quantized_expert_names(prefix, tensors, cfg))
     _check_names_and_shapes(cfg, expected, reader, quantized)
-    model = model.to_empty(device=device).to(dtype)
+    model = _materialize(model, device).to(dtype)
     for module in model.modules():        # routers and the like that HF keeps in fp32
         if getattr(module, "keep_fp32", False):
             module.float()
@@ -118,6 +119,28 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
 
 def _experts(model: DecoderLM) -> list[tuple[str, Experts]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def _materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``to_empty`` without its meta-tensor path (``empty_like`` of a meta tensor imports sympy
+    through torch's reference ops: most of a second of every rank's start). Shared tensors stay
+    shared (keyed by the original, kept alive so its id is not reused)."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def replace(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = (t, new)
+        return made[id(t)][1]
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, replace(p))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, replace(b))
+    return model
 
 
 def _power_of_two_scales(read):  # noqa: ANN001, ANN202 - the reader's read(name, shard)

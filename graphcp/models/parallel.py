@@ -89,7 +89,9 @@ class VocabEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPInfo) -> None:
         start, end = shard_range(vocab_size, tp.size, tp.rank)
-        super().__init__(end - start, hidden)
+        # An empty weight skips nn.Embedding's normal_ init: on the meta device that op imports
+        # torch._dynamo (about 2 s of every rank's start) for values the loader overwrites.
+        super().__init__(end - start, hidden, _weight=torch.empty(end - start, hidden))
         self.shard, self.tp, self.vocab_size = (0, start, end), tp, vocab_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
