@@ -7,7 +7,7 @@ import json
 import os
 
 import torch
-from hf_reference import rel_err
+from hf_reference import CachedHF, rel_err
 from parity import TOL, random_ids
 from safetensors.torch import save_file
 
@@ -101,29 +101,17 @@ def make_legacy_checkpoint(path: str, seed: int = 32) -> str:
     return path
 
 
-class V4Oracle:
+class V4Oracle(CachedHF):
     """HF in fp32, one pass over a whole history -> (last-token logits, per layer (window keys,
     compressor (entries, buffer, overlap) or None, indexer (the same) or None)). Buffers and
     overlaps are kv | gate rows as projected: HF's overlap gate has the position bias added, which
     is taken off here, as graphcp caches the rows before the bias."""
 
-    def __init__(self) -> None:
-        self.models, self.cache = {}, {}
+    attn_implementation = None           # V4 has no sdpa path in transformers
 
-    @torch.no_grad()
-    def __call__(self, path: str, ids: list[int]):
-        import transformers
-        key = (path, tuple(ids))
-        if key not in self.cache:
-            if path not in self.models:
-                self.models[path] = transformers.AutoModelForCausalLM.from_pretrained(
-                    path, dtype=torch.float32).eval()
-            model = self.models[path]
-            out = model(torch.tensor([ids]), use_cache=True)
-            layers = [_hf_layer(cache, block.self_attn)
-                      for cache, block in zip(out.cache.layers, model.model.layers)]
-            self.cache[key] = (out.logits[0, -1].float(), layers)
-        return self.cache[key]
+    def layers(self, out, model) -> list:  # noqa: ANN001
+        return [_hf_layer(cache, block.self_attn)
+                for cache, block in zip(out.cache.layers, model.model.layers)]
 
 
 def _hf_layer(layer, attn) -> tuple:  # noqa: ANN001 - a transformers cache layer and attention

@@ -59,3 +59,33 @@ class HFReference:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+class CachedHF:
+    """HF transformers in fp32, one model per checkpoint and one pass per (checkpoint, ids):
+    (last-token logits, ``layers(out, model)``, the per-layer caches a test compares)."""
+
+    attn_implementation: str | None = "sdpa"
+
+    def __init__(self) -> None:
+        self.models: dict[str, object] = {}
+        self.cache: dict[tuple, tuple] = {}
+
+    def load(self, path: str):  # noqa: ANN201 - a transformers model
+        import transformers
+        kw = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+
+    def layers(self, out, model) -> list:  # noqa: ANN001 - HF's output and model
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def __call__(self, path: str, ids: list[int]) -> tuple:
+        key = (path, tuple(ids))
+        if key not in self.cache:
+            if path not in self.models:
+                self.models[path] = self.load(path).eval()
+            model = self.models[path]
+            out = model(torch.tensor([ids]), use_cache=True)
+            self.cache[key] = (out.logits[0, -1].float(), self.layers(out, model))
+        return self.cache[key]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import rel_err
+from hf_reference import CachedHF, rel_err
 from parity import TOL, random_ids
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
@@ -58,26 +58,13 @@ def glm5(ckpt_dir):
                                indexer_types=["full", "shared", "full"])
 
 
-class DSAOracle:
+class DSAOracle(CachedHF):
     """HF in fp32: last-token logits and per layer (kv_latent, k_rope, index_k or None)."""
 
-    def __init__(self) -> None:
-        self.models, self.cache = {}, {}
-
-    @torch.no_grad()
-    def __call__(self, path: str, ids: list[int]):
-        import transformers
-        key = (path, tuple(ids))
-        if key not in self.cache:
-            if path not in self.models:
-                self.models[path] = transformers.AutoModelForCausalLM.from_pretrained(
-                    path, dtype=torch.float32, attn_implementation="sdpa").eval()
-            out = self.models[path](torch.tensor([ids]), use_cache=True)
-            layers = [(layer.keys[0, 0], layer.values[0, 0],
-                       layer.indexer_keys[0] if layer.is_indexer_initialized else None)
-                      for layer in out.past_key_values.layers]
-            self.cache[key] = (out.logits[0, -1].float(), layers)
-        return self.cache[key]
+    def layers(self, out, model) -> list:  # noqa: ANN001
+        return [(layer.keys[0, 0], layer.values[0, 0],
+                 layer.indexer_keys[0] if layer.is_indexer_initialized else None)
+                for layer in out.past_key_values.layers]
 
 
 @pytest.fixture(scope="module")

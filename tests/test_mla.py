@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import rel_err
+from hf_reference import CachedHF, rel_err
 from mla_checkpoint import DEEPSEEK_V3, KIMI_K2, write_release
 from parity import TOL, graph_and_eager, random_ids
 
@@ -37,24 +37,16 @@ def kimi(ckpt_dir):
                          n_routed_experts=16)
 
 
-class MLAOracle:
+class MLAOracle(CachedHF):
     """HF in fp32: last-token logits and per layer (kv_latent, k_rope)."""
 
-    def __init__(self) -> None:
-        self.models, self.cache = {}, {}
-
-    @torch.no_grad()
-    def __call__(self, path: str, ids: list[int]):
+    def load(self, path: str):  # noqa: ANN201 - Kimi-K2's model_type is not an Auto class
         import transformers
-        key = (path, tuple(ids))
-        if key not in self.cache:
-            if path not in self.models:
-                self.models[path] = transformers.DeepseekV3ForCausalLM.from_pretrained(
-                    path, dtype=torch.float32, attn_implementation="sdpa").eval()
-            out = self.models[path](torch.tensor([ids]), use_cache=True)
-            layers = [(c.keys[0, 0], c.values[0, 0]) for c in out.past_key_values.layers]
-            self.cache[key] = (out.logits[0, -1].float(), layers)
-        return self.cache[key]
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa")
+
+    def layers(self, out, model) -> list:  # noqa: ANN001
+        return [(c.keys[0, 0], c.values[0, 0]) for c in out.past_key_values.layers]
 
 
 @pytest.fixture(scope="module")
