@@ -61,6 +61,16 @@ _HF_ONLY = ("architectures", "auto_map", "model_type", "torch_dtype", "transform
             "quantization_config")
 
 
+def widen_init(model) -> None:  # noqa: ANN001 - a transformers DeepSeek model
+    """Widen the tiny random init, and give the router a non-zero correction bias it uses."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08) if p.ndim > 1 else p.uniform_(0.8, 1.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+
+
 def write_release(path: str, release: dict, seed: int, fp8: bool = True,
                   **sizes) -> tuple[str, str]:
     """(the checkpoint, HF's dequantized twin) under ``path``; ``sizes`` override ``SHRUNK``."""
@@ -73,12 +83,7 @@ def write_release(path: str, release: dict, seed: int, fp8: bool = True,
     config = transformers.DeepseekV3Config(**{k: v for k, v in raw.items() if k not in _HF_ONLY})
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32)
-    with torch.no_grad():      # widen the tiny init; a non-zero correction bias the router uses
-        for p in model.parameters():
-            p.normal_(0.0, 0.08) if p.ndim > 1 else p.uniform_(0.8, 1.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.05)
+    widen_init(model)
     source, ckpt, twin = (os.path.join(path, n) for n in ("hf-save", "release", "oracle"))
     model.save_pretrained(source, safe_serialization=True, max_shard_size="200KB")
     for dst, quantize in ((ckpt, fp8), (twin, False)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import CachedHF, rel_err
+from mla_checkpoint import widen_init
 from parity import TOL, random_ids
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
@@ -31,12 +32,7 @@ def make_dsa_checkpoint(path: str, arch: str, seed: int, **overrides) -> str:
     config = getattr(transformers, f"{arch}Config")(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
-    with torch.no_grad():      # widen the tiny init; a non-zero correction bias the router uses
-        for p in model.parameters():
-            p.normal_(0.0, 0.08) if p.ndim > 1 else p.uniform_(0.8, 1.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.05)
+    widen_init(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
