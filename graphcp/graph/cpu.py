@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphcp.graph.cpu_pool import CpuPool, Slot, out_variant, place_in_pool
 from graphcp.graph.protocol import (Break, BreakableGraph, Capture, GraphCaptureError, capture_active, check_break_outputs,
                                     host_slot, set_active)
 from graphcp.profiling import no_profiler_ranges
@@ -26,6 +27,7 @@ from graphcp.profiling import no_profiler_ranges
 _SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static", "aten::masked_select",
              "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim",
              "aten::is_nonzero", "aten::equal", "aten::allclose"}
+_VIEW_LIKE = {"aten::_unsafe_view", "aten::_reshape_alias"}   # views without an alias annotation
 _CONSTANT_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::_to_copy.from_host"}
 
 
@@ -101,6 +103,9 @@ class _CpuSegment:
         self.nodes: list[tuple] = []
         self.drops: list[list[int]] = []      # planned at finish; none while capturing
         self.fresh: list[int] = []            # refs of the tensors this segment allocates
+        self.planned: dict[int, tuple] = {}   # node -> (out= overload, its out names, output refs)
+        self.views: set[int] = set()          # nodes whose op only makes views of its arguments
+        self.names: list[str] = []            # the nodes' op names, as captured
 
     def replay(self, env: list) -> None:
         drops = self.drops or [()] * len(self.nodes)
@@ -128,8 +133,12 @@ class _CpuSegment:
 class CpuCapture(Capture):
     """Record a forward into a BreakableGraph of recorded-op segments and breaks."""
 
-    def __init__(self, replay_before_break: bool = True) -> None:
+    def __init__(self, replay_before_break: bool = True, pool: CpuPool | None = None) -> None:
         self.replay_before_break = replay_before_break   # the protocol; False only to show why it is needed
+        self.pool = pool if pool is not None else CpuPool()
+        self.roots: dict[int, int] = {}        # storage address -> ref of the fresh tensor that owns it
+        self.root_of: dict[int, int] = {}      # ref -> the ref owning its storage (views, break outputs)
+        self.slots: dict[int, Slot] = {}       # refs replayed into the pool
         self.graph = BreakableGraph()
         self.ids: dict[int, int] = {}          # id(tensor made during capture) -> env index
         self.keep: list[torch.Tensor] = []     # keeps captured tensors alive so ids stay unique
@@ -185,8 +194,11 @@ class CpuCapture(Capture):
         return flat, spec, refs
 
     def _bind_outputs(self, out: Any) -> list[tuple[int, int]]:
-        return [(pos, self._bind(t)) for pos, t in enumerate(tree_flatten(out)[0])
-                if isinstance(t, torch.Tensor) and id(t) not in self.ids]
+        bound = [(pos, self._bind(t)) for pos, t in enumerate(tree_flatten(out)[0])
+                 if isinstance(t, torch.Tensor) and id(t) not in self.ids]
+        for _, ref in bound:          # a break's outputs are views of its arguments
+            self.root_of[ref] = self.roots.get(self.keep[ref].untyped_storage().data_ptr(), -1)
+        return bound
 
     def _ref(self, x: Any) -> int | None:
         return self.ids.get(id(x)) if isinstance(x, torch.Tensor) else None
@@ -211,11 +223,43 @@ class CpuCapture(Capture):
             outs = [(pos, self._bind(t)) for pos, t in enumerate(out or ())
                     if isinstance(t, torch.Tensor) and id(t) not in self.ids]
         schema = getattr(func, "_schema", None)
+        inputs = {x.untyped_storage().data_ptr() for x in tree_flatten((args, kwargs))[0]
+                  if isinstance(x, torch.Tensor)}
+        fresh = []
         if schema is not None and not any(r.alias_info is not None for r in schema.returns):
             # New memory (not a view, not an in-place or out= result): garbage until replayed.
-            self.segment.fresh.extend(ref for _, ref in outs if self.keep[ref]._base is None)
+            fresh = [ref for _, ref in outs if self.keep[ref]._base is None
+                     and self.keep[ref].untyped_storage().data_ptr() not in inputs | self.roots.keys()]
+            self.segment.fresh.extend(fresh)
+        for _, ref in outs:
+            ptr = self.keep[ref].untyped_storage().data_ptr()
+            if ref in fresh:
+                self.roots[ptr] = ref
+            self.root_of[ref] = self.roots.get(ptr, -1)
+        self._plan_node(func, out, outs, fresh)
+        if schema is not None and not schema.is_mutable and outs and all(
+                self.keep[ref].untyped_storage().data_ptr() in inputs for _, ref in outs) and (
+                any(r.alias_info is not None for r in schema.returns) or _op_name(func) in _VIEW_LIKE):
+            # a view (reshape and to() only where they did not copy)
+            self.segment.views.add(len(self.segment.nodes))
         op = getattr(func, "_op", func)      # the C++ op behind the OpOverload: one Python frame less
         self.segment.nodes.append((op, tuple(template), dict(kwargs), arefs, krefs, outs))
+        self.segment.names.append(_op_name(func))
+
+    def _plan_node(self, func: Any, out: Any, outs: list, fresh: list[int]) -> None:
+        """Replay this op through its out= overload into the pool where every output is fresh."""
+        variant = out_variant(func)
+        count = 1 if isinstance(out, torch.Tensor) else len(out or ())
+        if variant is None or not outs or len(outs) != count or len(fresh) != count:
+            return
+        tensors = [self.keep[ref] for _, ref in outs]
+        if any(t.device.type != "cpu" or t.untyped_storage().nbytes() == 0 for t in tensors):
+            return
+        node = len(self.segment.nodes)
+        for (_, ref), t in zip(outs, tensors):
+            self.slots[ref] = Slot(t.dtype, tuple(t.shape), t.stride(), t.storage_offset(),
+                                   t.untyped_storage().nbytes())
+        self.segment.planned[node] = (variant[0], variant[1], [ref for _, ref in outs])
 
     def _bind(self, t: torch.Tensor) -> int:
         self.ids[id(t)] = len(self.keep)
@@ -238,6 +282,7 @@ class CpuCapture(Capture):
     def finish(self, static: list[torch.Tensor]) -> BreakableGraph:
         g = self.graph
         g.env_size = len(self.keep)
+        place_in_pool(g, self.slots, self.root_of, self.pool)
         _plan_drops(g)
         g.static, g.static_ptrs = list(static), [t.data_ptr() for t in static]
         self.keep.clear()

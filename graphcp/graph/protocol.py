@@ -152,6 +152,7 @@ class BreakableGraph:
     static: list[torch.Tensor] = field(default_factory=list)
     static_ptrs: list[int] = field(default_factory=list)
     env_size: int = 0                                    # CPU: intermediates a replay holds
+    pool_bytes: int = 0                                  # CPU: the arena its replays write into
 
     @property
     def num_segments(self) -> int:

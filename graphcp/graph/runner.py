@@ -17,6 +17,7 @@ import torch
 from graphcp.forward_batch import BatchInputs, ForwardBatch
 from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.cpu import CpuCapture
+from graphcp.graph.cpu_pool import CpuPool
 from graphcp.graph.cuda import CudaCapture, SyncCheckedWarmup
 from graphcp.graph.protocol import BreakableGraph, BreakLog, GraphCaptureError, PeerFailed, check_same_ops
 from graphcp.profiling import nvtx_range, process_memory
@@ -66,7 +67,7 @@ class GraphRunner:
         self.graphs: dict[int, BreakableGraph] = {}
         self.records: dict[int, BucketRecord] = {}
         self.captures = 0                 # capture attempts so far: stays constant while serving
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else CpuPool()
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # one for every bucket
 
     @property
@@ -177,7 +178,7 @@ class GraphRunner:
         for i in range(passes):
             if i:
                 batch = load(bucket + i)
-            cap = CudaCapture(self.pool, self.stream) if cuda else CpuCapture()
+            cap = CudaCapture(self.pool, self.stream) if cuda else CpuCapture(pool=self.pool)
             try:
                 with cap:
                     run(batch)
