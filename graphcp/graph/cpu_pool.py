@@ -136,7 +136,7 @@ def place_in_pool(g: BreakableGraph, slots: dict[int, Slot], root_of: dict[int, 
                     flat[pos] = const[ref]
             item.resolve = (flat, spec, [(pos, ref) for pos, ref in refs if ref not in const])
             continue
-        nodes = []
+        nodes, kept = [], []
         for ni, (op, args, kwargs, arefs, krefs, outs) in enumerate(item.nodes):
             args, kwargs = _bake(args, kwargs, arefs, krefs, const)
             arefs = [(i, j, ref) for i, j, ref in arefs if ref not in const]
@@ -153,7 +153,8 @@ def place_in_pool(g: BreakableGraph, slots: dict[int, Slot], root_of: dict[int, 
                     const[ref] = out if pos < 0 else out[pos]
                 continue
             nodes.append((op, args, kwargs, arefs, krefs, outs))
-        item.nodes = nodes
+            kept.append(item.names[ni])
+        item.nodes, item.names = nodes, kept
     g.pool_bytes = arena.numel()
 
 
