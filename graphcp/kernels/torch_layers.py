@@ -6,15 +6,23 @@ import torch
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 statistics, then back to the input dtype before the weight, as the HF reference does."""
+    """fp32 statistics, then back to the input dtype before the weight, as the HF reference does.
+    The last product is taken in place (same values: a fresh tensor, and products commute), which
+    spares an allocation as large as x."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if weight.dtype == y.dtype and weight.shape == y.shape[-weight.dim():]:
+        return y.mul_(weight)
+    return weight * y
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, 1, D]: the HF form, rounding in x's dtype after each op."""
-    return x * cos + _rotate_half(x) * sin
+    """x [T, H, D], cos/sin [T, 1, D]: the HF form, rounding in x's dtype after each op (in place on
+    its own fresh products: the same roundings, two allocations fewer)."""
+    if (cos.dtype != x.dtype or sin.dtype != x.dtype
+            or torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape):
+        return x * cos + _rotate_half(x) * sin
+    return (x * cos).add_(_rotate_half(x).mul_(sin))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

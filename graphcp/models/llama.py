@@ -93,7 +93,8 @@ class GatedMLP(nn.Module):
         rows = x.shape[0]
         x = comm.gather(x)
         gate, up = _fused_linear(x, self.gate_up)
-        partial = self.down_proj(nn.functional.silu(gate) * up, reduce=False)
+        # in place on the fresh gate half (same values): no [T, I] allocations besides gate_up
+        partial = self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up), reduce=False)
         out = comm.scatter(partial, rows)                   # reduce-scatter to this rank's rows
         return self.down_proj.reduce(partial) if out is None else self.down_proj.add_bias(out)
 
