@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from graphcp.kernels.torch_ref import per_forward, torch_paged_attention
@@ -58,15 +59,17 @@ class _Group:
 def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
           page_size: int) -> tuple[int, bool, list[_Group]]:
     """(rows in sequences, whether a sequence sees no key, the groups): layer-independent, made
-    once per forward on the host."""
-    cu = cu_seqlens_q.tolist()
-    used = cu[-1]
-    limits = q_limits[:used]
+    once per forward on the host (in numpy: this kernel serves CPU tensors only, read without a copy)."""
+    cu_np, rows_np = cu_seqlens_q.numpy(), page_rows.numpy()
+    used = int(cu_np[-1])
+    limits = q_limits.numpy()[:used]
     # bad[i]: limit steps other than +1 up to row i; rows with none between them are plain causal.
-    steps = torch.cumsum(limits[1:] - limits[:-1] != 1, 0)
-    bad = torch.cat([limits.new_zeros(1), steps]).tolist()
-    starts, ends = [min(a, used - 1) for a in cu[:-1]], [max(b - 1, 0) for b in cu[1:]]
-    firsts, lasts = (limits[starts].tolist(), limits[ends].tolist()) if used else ([], [])
+    bad = np.concatenate([np.zeros(1, np.int64), np.cumsum(np.diff(limits) != 1)])
+    starts, ends = np.minimum(cu_np[:-1], used - 1), np.maximum(cu_np[1:] - 1, 0)
+    if used:
+        firsts, lasts = limits[starts].tolist(), limits[ends].tolist()
+        plain = (bad[ends] == bad[starts]).tolist()
+    cu = cu_np.tolist()
     groups, blind, runs = [], False, []
     open_runs: dict[tuple, int] = {}        # page-table row -> its causal run
     for seq, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
@@ -75,12 +78,12 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
         first, last = firsts[seq], lasts[seq]
         if last <= 0:
             blind = True
-        elif bad[end - 1] != bad[start] or first < 1:
-            groups.append(_strided_group(seq, start, end, limits[start:end], page_rows, page_size))
+        elif not plain[seq] or first < 1:
+            groups.append(_strided_group(seq, start, end, q_limits[start:end], rows_np, page_size))
         else:
             # A causal sequence on a row whose run ends one key earlier continues that run: CP 1's
             # zigzag splits each request into an early and a late block of one causal sequence.
-            row = tuple(page_rows[seq].tolist())
+            row = tuple(rows_np[seq].tolist())
             run = open_runs.get(row)
             if run is not None and runs[run][3] + 1 == first:
                 runs[run][1].append((start, end))
@@ -95,15 +98,15 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
         if len(members) == 1 and len(members[0][1]) == 1:
             rows = slice(*members[0][1][0])
         else:
-            rows = torch.stack([torch.cat([torch.arange(a, b) for a, b in pieces])
-                                for _, pieces in members])
+            rows = torch.from_numpy(np.stack([np.concatenate([np.arange(a, b) for a, b in pieces])
+                                              for _, pieces in members]))
         block = _Block(0, q_len, kv_len - q_len, kv_len, None)
         seqs = [seq for seq, _ in members]
-        groups.append(_Group(rows, _slots(page_rows[seqs], kv_len, page_size), [block]))
+        groups.append(_Group(rows, _slots(rows_np[seqs], kv_len, page_size), [block]))
     return used, blind, groups
 
 
-def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: torch.Tensor,
+def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_rows: np.ndarray,
                    page_size: int) -> _Group:
     """One sequence whose limits do not step by one: one residue block where they step by one
     stride, else row blocks whose keys from the block's first limit minus one on are masked (so
@@ -121,15 +124,14 @@ def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_ro
     return _Group(slice(start, end), _slots(page_rows[[seq]], lasts[-1], page_size), blocks)
 
 
-def _slots(page_rows: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor | slice:
+def _slots(page_rows: np.ndarray, kv_len: int, page_size: int) -> torch.Tensor | slice:
     """KV slots [G, kv_len]; a slice where one sequence's pages are consecutive (read as a view)."""
-    key_pos = torch.arange(kv_len)
-    pages = page_rows[:, torch.div(key_pos, page_size, rounding_mode="floor")]
-    slots = pages * page_size + torch.remainder(key_pos, page_size)
+    key_pos = np.arange(kv_len)
+    slots = page_rows[:, key_pos // page_size] * page_size + key_pos % page_size
     first = int(slots[0, 0])
-    if slots.shape[0] == 1 and torch.equal(slots[0], key_pos + first):
+    if slots.shape[0] == 1 and np.array_equal(slots[0], key_pos + first):
         return slice(first, first + kv_len)
-    return slots
+    return torch.from_numpy(slots)
 
 
 def _read(pool: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
