@@ -87,6 +87,16 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _storages(args: tuple, kwargs: dict) -> set[int]:
+    """Storage addresses of an op's tensor arguments (aten arguments nest one list deep at most)."""
+    ptrs = set()
+    for a in (*args, *kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(x, torch.Tensor):
+                ptrs.add(x.untyped_storage().data_ptr())
+    return ptrs
+
+
 def _host_read_error(name: str) -> Callable:
     def refuse(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise GraphCaptureError(f".{name}() syncs with the host inside a captured segment at {_caller()}; "
@@ -223,8 +233,7 @@ class CpuCapture(Capture):
             outs = [(pos, self._bind(t)) for pos, t in enumerate(out or ())
                     if isinstance(t, torch.Tensor) and id(t) not in self.ids]
         schema = getattr(func, "_schema", None)
-        inputs = {x.untyped_storage().data_ptr() for x in tree_flatten((args, kwargs))[0]
-                  if isinstance(x, torch.Tensor)}
+        inputs = _storages(args, kwargs)
         fresh = []
         if schema is not None and not any(r.alias_info is not None for r in schema.returns):
             # New memory (not a view, not an in-place or out= result): garbage until replayed.
