@@ -146,8 +146,8 @@ class CpuCapture(Capture):
     def __init__(self, replay_before_break: bool = True, pool: CpuPool | None = None) -> None:
         self.replay_before_break = replay_before_break   # the protocol; False only to show why it is needed
         self.pool = pool if pool is not None else CpuPool()
-        self.roots: dict[int, int] = {}        # storage address -> ref of the fresh tensor that owns it
-        self.root_of: dict[int, int] = {}      # ref -> the ref owning its storage (views, break outputs)
+        self.roots: dict[int, int] = {}        # storage address -> the fresh tensor owning it
+        self.root_of: dict[int, int] = {}      # ref -> its storage's owner (views, break outputs)
         self.slots: dict[int, Slot] = {}       # refs replayed into the pool
         self.graph = BreakableGraph()
         self.ids: dict[int, int] = {}          # id(tensor made during capture) -> env index
@@ -237,8 +237,9 @@ class CpuCapture(Capture):
         fresh = []
         if schema is not None and not any(r.alias_info is not None for r in schema.returns):
             # New memory (not a view, not an in-place or out= result): garbage until replayed.
+            known = inputs | self.roots.keys()
             fresh = [ref for _, ref in outs if self.keep[ref]._base is None
-                     and self.keep[ref].untyped_storage().data_ptr() not in inputs | self.roots.keys()]
+                     and self.keep[ref].untyped_storage().data_ptr() not in known]
             self.segment.fresh.extend(fresh)
         for _, ref in outs:
             ptr = self.keep[ref].untyped_storage().data_ptr()
@@ -248,7 +249,8 @@ class CpuCapture(Capture):
         self._plan_node(func, out, outs, fresh)
         if schema is not None and not schema.is_mutable and outs and all(
                 self.keep[ref].untyped_storage().data_ptr() in inputs for _, ref in outs) and (
-                any(r.alias_info is not None for r in schema.returns) or _op_name(func) in _VIEW_LIKE):
+                any(r.alias_info is not None for r in schema.returns)
+                or _op_name(func) in _VIEW_LIKE):
             # a view (reshape and to() only where they did not copy)
             self.segment.views.add(len(self.segment.nodes))
         op = getattr(func, "_op", func)      # the C++ op behind the OpOverload: one Python frame less

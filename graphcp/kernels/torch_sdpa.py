@@ -59,7 +59,7 @@ class _Group:
 def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
           page_size: int) -> tuple[int, bool, list[_Group]]:
     """(rows in sequences, whether a sequence sees no key, the groups): layer-independent, made
-    once per forward on the host (in numpy: this kernel serves CPU tensors only, read without a copy)."""
+    once per forward on the host, in numpy (the kernel serves CPU tensors only: read in place)."""
     cu_np, rows_np = cu_seqlens_q.numpy(), page_rows.numpy()
     used = int(cu_np[-1])
     limits = q_limits.numpy()[:used]
