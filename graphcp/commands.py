@@ -58,6 +58,7 @@ def merge(cmd: str, replies: list[Any]) -> Any:
         stats["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in replies]
         stats["moe_traffic_per_rank"] = [r.get("moe_traffic") for r in replies]   # MoE token flows
         stats["kv_bytes_per_rank"] = [r["kv_bytes"] for r in replies]
+        stats["graph_pool_bytes_per_rank"] = [r["graph_pool_bytes"] for r in replies]
         stats["state_bytes_per_rank"] = [r["state_bytes"] for r in replies]   # per-request state
         return stats
     return replies[0]

@@ -277,6 +277,7 @@ class ModelRunner:
                 "peak_rss_bytes": peak_rss_bytes(),
                 "graph_buckets": graphs.buckets if graphs else [],
                 "graph_captures": graphs.captures if graphs else 0,
+                "graph_pool_bytes": graphs.pool_bytes if graphs else 0,
                 "world_size": self.args.world_size, "attention_backend": self.args.resolved_backend(),
                 "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.attention.kernel_name, "eager_reason": self.graph_reason,

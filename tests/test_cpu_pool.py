@@ -114,3 +114,19 @@ def test_intermediates_hold_the_last_replays_values():
     graph.replay()
     assert seen[0].data_ptr() == seen[1].data_ptr()
     assert seen[0].eq(10.0).all() and out.eq(10.0).all()
+
+
+def test_engine_reports_its_replay_arena(checkpoint, engines):
+    """An engine's CPU graphs share one arena, reported in stats; a graph replay of a batch equals eager."""
+    from graphcp import Request
+    engine = engines.get(checkpoint)
+    stats = engine.stats()
+    assert stats["graph_buckets"] and stats["graph_pool_bytes"] > 0
+    assert stats["graph_pool_bytes_per_rank"] == [stats["graph_pool_bytes"]]
+    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(3))
+    graph = engine.prefill([Request("pool-g", ids)])
+    engine.release("pool-g")
+    eager = engine.prefill([Request("pool-e", ids)], force_eager=True)
+    engine.release("pool-e")
+    assert graph.mode == "graph"
+    torch.testing.assert_close(graph.logits, eager.logits, rtol=1e-6, atol=1e-6)

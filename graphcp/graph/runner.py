@@ -75,6 +75,11 @@ class GraphRunner:
         return sorted(self.graphs)
 
     @property
+    def pool_bytes(self) -> int:
+        """CPU: the replay arena every bucket shares; CUDA: 0 (its pool shows in the capture records)."""
+        return self.pool.nbytes if isinstance(self.pool, CpuPool) else 0
+
+    @property
     def failures(self) -> dict[int, str]:
         return {b: r.error for b, r in self.records.items() if r.error}
 
