@@ -311,13 +311,22 @@ def _poison(t: torch.Tensor) -> None:
 
 
 def _signature(func: Any, tree: Any, out: Any) -> tuple:
-    def describe(x: Any) -> Any:
+    """What must agree between two captures of a bucket: the op, its arguments' shapes and dtypes
+    and its other arguments' values (a plain walk: pytree's costs a capture more than the op)."""
+    def describe(x: Any, acc: list) -> list:
         if isinstance(x, torch.Tensor):
-            return ("T", tuple(x.shape), str(x.dtype))
-        return repr(x)
+            acc.append(("T", tuple(x.shape), str(x.dtype)))
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                describe(y, acc)
+        elif isinstance(x, dict):
+            for y in x.values():
+                describe(y, acc)
+        else:
+            acc.append(repr(x))
+        return acc
 
-    return (_op_name(func), tuple(describe(x) for x in tree_flatten(tree)[0]),
-            tuple(describe(x) for x in tree_flatten(out)[0]))
+    return _op_name(func), tuple(describe(tree, [])), tuple(describe(out, []))
 
 
 def _plan_drops(g: BreakableGraph) -> None:
