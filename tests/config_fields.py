@@ -46,13 +46,6 @@ INERT = {
     "index_share_for_mtp_iteration": "the MTP layers' indexer",
     "auto_map": "remote-code class names; graphcp serves the architecture with its own model",
 }
-# The model_type transformers gives each architecture's config class.
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-               "GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32",
-               "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV4ForCausalLM": "deepseek_v4",
-               "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
-               "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
 
 
 def hf_config(name: str, **kwargs):  # noqa: ANN201 - a transformers config
@@ -78,6 +71,12 @@ def perturbed(value):  # noqa: ANN001, ANN201
         return value + "-changed"
     return {"changed": 1} if isinstance(value, dict) else 7
 
+
+
+def model_type(architecture: str) -> str:
+    """The model_type transformers gives the architecture's config class (the reference's, not ours)."""
+    import transformers
+    return getattr(transformers, architecture).config_class.model_type
 
 @dataclass(frozen=True, eq=False)     # hashed by identity: the tiny configs are cached
 class FieldTable:
@@ -151,7 +150,7 @@ class FieldTable:
         if key == "architectures":
             alt = [self.other_arch[name]]
         elif key == "model_type":
-            alt = MODEL_TYPES[self.other_arch[name]]
+            alt = model_type(self.other_arch[name])
         elif alt == "flip":
             alt = not base[key]
         context = patched(base, patch)

@@ -72,8 +72,10 @@ def _check_caches(engine, rid: str, ref: tuple, label: str) -> float:  # noqa: A
     return worst
 
 
-def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list]:  # noqa: ANN001
-    free = engine.stats()["state_slots_free"]
+def _chunked_batches_equal_hf(engine, path: str, reference,  # noqa: ANN001
+                              force_eager: bool) -> tuple[float, list]:
+    """Serve BATCHES (chunked prefill); every logit row and every held request's caches equal HF.
+    Returns the worst relative error and each batch's (mode, cp_applied)."""
     worst, modes = 0.0, []
     for batch in BATCHES:
         out = engine.prefill([Request(r, TOKENS[r][s:e]) for r, s, e in batch],
@@ -85,6 +87,12 @@ def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list
             worst = max(worst, err)
     for rid in LENGTHS:
         worst = max(worst, _check_caches(engine, rid, reference(path, TOKENS[rid]), rid))
+    return worst, modes
+
+
+def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list]:  # noqa: ANN001
+    free = engine.stats()["state_slots_free"]
+    worst, modes = _chunked_batches_equal_hf(engine, path, reference, force_eager)
     stats = engine.stats()
     assert stats["state_slots_free"] == free - len(LENGTHS)
     h = read_model_config(path).hybrid                # fp32: conv window and delta state, 4 bytes
@@ -165,15 +173,7 @@ def test_pipeline_stages_and_expert_parallel_equal_hf(hybrid, engines):
     path = paths["qwen3_next"]
     engine = engines.get(path, **cp_kwargs(2, pp_size=2, ep_size=2, moe_a2a_backend="all_to_all",
                                            **SMALL))
-    worst = 0.0
-    for batch in BATCHES:
-        out = engine.prefill([Request(r, TOKENS[r][s:e]) for r, s, e in batch])
-        for row, (rid, _, end) in enumerate(batch):
-            err = rel_err(out.logits[row], reference(path, TOKENS[rid])[0][end - 1])
-            assert err <= TOL, f"{rid} at {end}: logits rel err {err:.2e}"
-            worst = max(worst, err)
-    for rid in LENGTHS:
-        worst = max(worst, _check_caches(engine, rid, reference(path, TOKENS[rid]), rid))
+    worst, _ = _chunked_batches_equal_hf(engine, path, reference, force_eager=False)
     h = read_model_config(path).hybrid
     per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
     slots = 4 + 1                                     # 2 + 2 spare, and the dummy slot
