@@ -233,29 +233,25 @@ class CpuCapture(Capture):
             outs = [(pos, self._bind(t)) for pos, t in enumerate(out or ())
                     if isinstance(t, torch.Tensor) and id(t) not in self.ids]
         schema = getattr(func, "_schema", None)
-        inputs = _storages(args, kwargs)
+        name, inputs = _op_name(func), _storages(args, kwargs)
+        ptrs = {ref: self.keep[ref].untyped_storage().data_ptr() for _, ref in outs}
+        aliasing = schema is None or any(r.alias_info is not None for r in schema.returns)
         fresh = []
-        if schema is not None and not any(r.alias_info is not None for r in schema.returns):
+        if not aliasing:
             # New memory (not a view, not an in-place or out= result): garbage until replayed.
-            known = inputs | self.roots.keys()
-            fresh = [ref for _, ref in outs if self.keep[ref]._base is None
-                     and self.keep[ref].untyped_storage().data_ptr() not in known]
+            fresh = [ref for ref, ptr in ptrs.items() if self.keep[ref]._base is None
+                     and ptr not in inputs and ptr not in self.roots]
             self.segment.fresh.extend(fresh)
-        for _, ref in outs:
-            ptr = self.keep[ref].untyped_storage().data_ptr()
-            if ref in fresh:
-                self.roots[ptr] = ref
-            self.root_of[ref] = self.roots.get(ptr, -1)
+        self.roots.update((ptrs[ref], ref) for ref in fresh)
+        self.root_of.update((ref, self.roots.get(ptr, -1)) for ref, ptr in ptrs.items())
         self._plan_node(func, out, outs, fresh)
-        if schema is not None and not schema.is_mutable and outs and all(
-                self.keep[ref].untyped_storage().data_ptr() in inputs for _, ref in outs) and (
-                any(r.alias_info is not None for r in schema.returns)
-                or _op_name(func) in _VIEW_LIKE):
+        if (schema is not None and not schema.is_mutable and ptrs and set(ptrs.values()) <= inputs
+                and (aliasing or name in _VIEW_LIKE)):
             # a view (reshape and to() only where they did not copy)
             self.segment.views.add(len(self.segment.nodes))
         op = getattr(func, "_op", func)      # the C++ op behind the OpOverload: one Python frame less
         self.segment.nodes.append((op, tuple(template), dict(kwargs), arefs, krefs, outs))
-        self.segment.names.append(_op_name(func))
+        self.segment.names.append(name)
 
     def _plan_node(self, func: Any, out: Any, outs: list, fresh: list[int]) -> None:
         """Replay this op through its out= overload into the pool where every output is fresh."""
