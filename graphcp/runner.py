@@ -28,7 +28,7 @@ from graphcp.errors import ConfigError
 from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
 from graphcp.forward_context import forward_context
 from graphcp.graph.buffers import GraphInputs
-from graphcp.graph.protocol import GraphCaptureError
+from graphcp.graph.protocol import GraphCaptureError, capture_active
 from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kernels.registry import chosen
 from graphcp.kernels.resolve import probe_layer_ops
@@ -118,9 +118,11 @@ class ModelRunner:
         desc, plan, par, aux = batch.inputs, batch.plan, self.par, self.aux
         strategy = plan.strategy
         with nvtx_range("cp_metadata"):
+            # Eager with host descriptors: numpy builds it (a capture records the tensor form).
+            on_host = desc.extend_lens.device.type == "cpu" and not capture_active()
             meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
                                      par.me.cp_rank % strategy.cp_size, plan.local_cap, self.args.page_size,
-                                     desc.whole_on)
+                                     desc.whole_on, on_host=on_host)
             meta = replace(meta, state_in=desc.state_in, state_out=desc.state_out)
             local_ids = desc.input_ids.index_select(0, meta.token_index)
             if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcp.cp.host_metadata import zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, zigzag_metadata
 from graphcp.cp.plan import HostMaxima
 from graphcp.cp.strategy import ZigzagStrategy
@@ -103,9 +104,10 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         return host
 
     def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                 rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None) -> CPMetadata:
-        return zigzag_metadata(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap, page_size,
-                               whole_on)
+                 rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None,
+                 on_host: bool = False) -> CPMetadata:
+        build = zigzag_metadata_host if on_host else zigzag_metadata
+        return build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap, page_size, whole_on)
 
     def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
         """Last tokens live on the rank each request ran on: zero the rows this rank does not own and sum."""

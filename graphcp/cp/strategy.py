@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from graphcp.cp.host_metadata import interleave_metadata_host, zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
 from graphcp.cp.plan import HostMaxima
 
@@ -92,9 +93,11 @@ class ContextParallelStrategy:
                           max_kv=max(map(int.__add__, prefix_lens, extend_lens), default=0))
 
     def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                 rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None) -> CPMetadata:
-        return type(self).build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap,
-                                page_size)
+                 rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None,
+                 on_host: bool = False) -> CPMetadata:
+        """``on_host``: an eager forward's host descriptors, built in numpy (the same values)."""
+        build = type(self).build_host if on_host else type(self).build
+        return build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap, page_size)
 
     def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
         """Make every request's last-token row valid where logits are read (rank 0 by default)."""
@@ -131,6 +134,7 @@ class ZigzagStrategy(ContextParallelStrategy):
 
     name = "zigzag"
     build = staticmethod(zigzag_metadata)
+    build_host = staticmethod(zigzag_metadata_host)
     splits_early_late = True
 
     @property
@@ -166,6 +170,7 @@ class InterleaveStrategy(ContextParallelStrategy):
 
     name = "interleave"
     build = staticmethod(interleave_metadata)
+    build_host = staticmethod(interleave_metadata_host)
     bottom_right_causal = False
     graph_reason = "--cp-strategy interleave runs eagerly (graphs need zigzag)"
 

@@ -26,5 +26,9 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """cat(-x2, x1), each half written straight into the result (no negated temporary)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.neg(x[..., half:], out=out[..., :half])
+    out[..., half:] = x[..., :half]
+    return out

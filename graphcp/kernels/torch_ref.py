@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 _MASK_ELEMENTS = 1 << 24          # masks up to this size are made once per forward and kept for every layer
@@ -50,27 +51,28 @@ def _group_sequences(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
 
 def sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
                      page_size: int) -> list[tuple]:
-    """Layer-independent gather indices per group of sequences: padded query rows, KV slots, causal mask."""
+    """Layer-independent gather indices per group of sequences: padded query rows, KV slots, causal mask.
+    Index arithmetic on the host in numpy (a few us an op where a torch op costs ~10), then moved."""
     dev = cu_seqlens_q.device
-    cu = cu_seqlens_q.tolist()
-    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    cu, table, lim = (t.cpu().numpy() for t in (cu_seqlens_q, page_rows, q_limits))
+    q_lens = np.diff(cu)
     # Limits never decrease inside a sequence (bottom-right causal), so its last query sees the most keys.
-    kv_lens = [kv if q else 0 for q, kv in zip(q_lens, q_limits[(cu_seqlens_q[1:] - 1).clamp(min=0)].tolist())]
+    kv_lens = np.where(q_lens > 0, lim[np.maximum(cu[1:] - 1, 0)], 0)
     layout = []
-    for group in _group_sequences(q_lens, kv_lens):
-        max_q, max_kv = max(q_lens[s] for s in group), max(kv_lens[s] for s in group)
-        seqs = torch.tensor(group, device=dev)
-        q_idx = cu_seqlens_q[seqs][:, None] + torch.arange(max_q, device=dev)[None, :]     # [G, max_q]
-        q_valid = q_idx < cu_seqlens_q[seqs + 1][:, None]
-        q_idx = torch.where(q_valid, q_idx, torch.zeros_like(q_idx))
-        key_pos = torch.arange(max_kv, device=dev)
-        slots = page_rows[seqs][:, torch.div(key_pos, page_size, rounding_mode="floor")] * page_size + \
-            torch.remainder(key_pos, page_size)                                            # [G, max_kv]
-        limits = torch.where(q_valid, q_limits[q_idx], torch.ones_like(q_idx))
+    for group in _group_sequences(q_lens.tolist(), kv_lens.tolist()):
+        seqs = np.asarray(group)
+        max_q, max_kv = int(q_lens[seqs].max()), int(kv_lens[seqs].max())
+        q_idx = cu[seqs][:, None] + np.arange(max_q)[None, :]                             # [G, max_q]
+        q_valid = q_idx < cu[seqs + 1][:, None]
+        q_idx = np.where(q_valid, q_idx, 0)
+        key_pos = np.arange(max_kv)
+        slots = table[seqs][:, key_pos // page_size] * page_size + key_pos % page_size     # [G, max_kv]
+        limits = np.where(q_valid, lim[q_idx], 1)
         # The mask is kept for every layer when small; a long prompt's is made chunk by chunk.
-        small = q_idx.numel() * max_kv <= _MASK_ELEMENTS
-        mask = _mask(key_pos, limits) if small else None                                # [G, 1, max_q, max_kv]
-        layout.append((q_idx, q_valid, q_idx[q_valid], slots, mask, limits, key_pos))
+        small = q_idx.size * max_kv <= _MASK_ELEMENTS
+        mask = (key_pos[None, None, :] < limits[:, :, None])[:, None] if small else None  # [G, 1, max_q, max_kv]
+        parts = (q_idx, q_valid, q_idx[q_valid], slots, mask, limits, key_pos)
+        layout.append(tuple(None if a is None else torch.from_numpy(a).to(dev) for a in parts))
     return layout
 
 

@@ -86,7 +86,11 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
             row = tuple(rows_np[seq].tolist())
             run = open_runs.get(row)
             if run is not None and runs[run][3] + 1 == first:
-                runs[run][1].append((start, end))
+                pieces = runs[run][1]
+                if pieces[-1][1] == start:        # adjacent rows (CP 1): one slice, no gather
+                    pieces[-1] = (pieces[-1][0], end)
+                else:
+                    pieces.append((start, end))
                 runs[run][3] = last
             else:
                 open_runs[row] = len(runs)

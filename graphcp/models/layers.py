@@ -50,16 +50,29 @@ class RotaryEmbedding(nn.Module):
                                cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(device), sin.to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Every layer of a forward passes the same positions tensor: gather cos/sin once, reuse it.
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, D] at ``positions``; every layer of a forward passes the same positions
+        tensor, so they are gathered once and reused."""
         cached = self._last
-        if cached is None or cached[0] is not positions or cached[1].dtype != q.dtype:
-            cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
-            sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        if cached is None or cached[0] is not positions or cached[1].dtype != dtype:
+            cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+            sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
             cached = self._last = (positions, cos, sin)
-        _, cos, sin = cached
+        return cached[1], cached[2]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(positions, q.dtype)
         fn = chosen("rope") if q.is_cuda else None
         if fn is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
             return fn(q, cos2, sin2), fn(k, cos2, sin2)
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """RoPE on [T, H, D] in one pass: q's and k's heads side by side (each head alone, so the
+        values are those of ``forward``; half the ops on CPU, where each op's fixed cost shows)."""
+        cos, sin = self.tables(positions, heads.dtype)
+        fn = chosen("rope") if heads.is_cuda else None
+        if fn is not None and heads.stride(-1) == 1:
+            return fn(heads, cos.squeeze(1), sin.squeeze(1))
+        return rope_torch(heads, cos, sin)

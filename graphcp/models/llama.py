@@ -34,11 +34,11 @@ def _fuse(linears: tuple[nn.Linear, ...]) -> tuple:
     return weight, bias, sizes
 
 
-def _fused_linear(x: torch.Tensor, fused: tuple | None) -> tuple[torch.Tensor, ...]:
+def _project(x: torch.Tensor, fused: tuple | None) -> torch.Tensor:
+    """[T, sum of sizes]: the fused projections' outputs side by side (F.linear, or the FP8 GEMM)."""
     if fused is None:
         raise RuntimeError("projections are not fused: call CausalLM.fuse_projections() after loading weights")
-    weight, bias, sizes = fused
-    return fp8.linear(x, weight, bias).split(sizes, dim=-1)      # F.linear, or the FP8 GEMM
+    return fp8.linear(x, fused[0], fused[1])
 
 
 class SelfAttention(nn.Module):
@@ -63,14 +63,14 @@ class SelfAttention(nn.Module):
         self.qkv = _fuse((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = _fused_linear(x, self.qkv)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        heads = _project(x, self.qkv).view(t, hq + 2 * hk, d)
+        q, k, v = heads[:, :hq], heads[:, hq:hq + hk], heads[:, hq + hk:]
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q, k = self.rotary[0](positions, self.q_norm(q), self.k_norm(k))
+        else:        # q's and k's heads are adjacent: RoPE on both in one pass
+            qk = self.rotary[0].rotate(positions, heads[:, :hq + hk])
+            q, k = qk[:, :hq], qk[:, hq:]
         out = current_attention()(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -92,7 +92,7 @@ class GatedMLP(nn.Module):
         comm = current_communicator()
         rows = x.shape[0]
         x = comm.gather(x)
-        gate, up = _fused_linear(x, self.gate_up)
+        gate, up = _project(x, self.gate_up).split(self.gate_up[2], dim=-1)
         # in place on the fresh gate half (same values): no [T, I] allocations besides gate_up
         partial = self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up), reduce=False)
         out = comm.scatter(partial, rows)                   # reduce-scatter to this rank's rows

@@ -1,0 +1,114 @@
+"""The per-forward CP metadata of ``cp/metadata.py``, computed in numpy for an eager forward whose
+descriptors live on the host.
+
+The tensor forms run inside captured graphs; outside one, on the host, each of their ~60 small ops
+costs ~10 us of dispatch (about 0.9 ms per forward, measured), where numpy takes a few. Every field
+equals the tensor form's, value and dtype (int64): ``tests/test_host_metadata.py`` holds them equal on
+random batches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphcp.cp.metadata import CPMetadata
+from graphcp.kv.cache import DUMMY_SLOT
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.dtype == torch.int64 else t.long().numpy()
+
+
+def _slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, valid: np.ndarray,
+           page_size: int) -> np.ndarray:
+    slot = table[req, pos // page_size] * page_size + pos % page_size
+    return np.where(valid, slot, DUMMY_SLOT)
+
+
+def _search_rows(bounds: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per row r: ``searchsorted(bounds[r], rows[r], right)``; rows are lifted into disjoint ranges
+    so that one flat search serves every row (numpy's search is one-dimensional)."""
+    n, width = bounds.shape
+    lift = max(int(bounds.max(initial=0)), int(rows.max(initial=0))) + 1
+    base = np.arange(n, dtype=np.int64)[:, None] * lift
+    found = np.searchsorted((bounds + base).ravel(), (rows + base).ravel(), side="right")
+    return found.reshape(rows.shape) - np.arange(n, dtype=np.int64)[:, None] * width
+
+
+def _meta(**fields: np.ndarray | int) -> CPMetadata:
+    return CPMetadata(**{k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
+                         if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+
+
+def zigzag_metadata_host(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                         cp_size: int, rank: int, local_cap: int, page_size: int,
+                         whole_on: torch.Tensor | None = None) -> CPMetadata:
+    """``zigzag_metadata`` on the host (same arguments, same result)."""
+    ext, pre, table = _np(extend_lens), _np(prefix_lens), _np(page_table)
+    C, R, nblk = cp_size, ext.shape[0], 2 * cp_size
+    blk_id = np.arange(nblk)
+    blk = ext[:, None] // nblk + (blk_id[None, :] < (ext % nblk)[:, None])              # [R, 2C]
+    if whole_on is not None:
+        won = _np(whole_on)
+        blk = np.where((won > 0)[:, None], ext[:, None] * (blk_id[None, :] == (won - 1)[:, None]), blk)
+    blk_end = np.cumsum(blk, 1)
+    blk_start = blk_end - blk
+    early, late = np.arange(C), nblk - 1 - np.arange(C)
+    seq_q = np.concatenate([blk[:, early], blk[:, late]])                               # [2R, C]
+    seq_start = np.concatenate([blk_start[:, early], blk_start[:, late]])
+    seq_kv = np.concatenate([blk_end[:, early], blk_end[:, late]]) + np.tile(pre, 2)[:, None]
+    seq_req = np.tile(np.arange(R), 2)
+    cu = np.concatenate([np.zeros((1, C), np.int64), np.cumsum(seq_q, 0)]).T            # [C, 2R + 1]
+    rows = np.broadcast_to(np.arange(local_cap), (C, local_cap))
+    seq = np.minimum(_search_rows(cu[:, 1:], rows), 2 * R - 1)
+    valid = rows < cu[:, -1:]
+    offset = rows - np.take_along_axis(cu, seq, 1)
+    req = seq_req[seq]
+    new_idx = (np.take_along_axis(seq_start.T, seq, 1) + offset) * valid
+    position = pre[req] * valid + new_idx
+    slot = _slots(table, req, position, valid, page_size)
+    token_index = (np.cumsum(ext) - ext)[req] + new_idx
+    token_index *= valid
+    my_q, my_kv, my_seq = seq_q[:, rank], seq_kv[:, rank], seq[rank]
+    q_limits = (my_kv[my_seq] - my_q[my_seq] + offset[rank] + 1) * valid[rank]
+    cu_r = cu[rank]
+    last_late, last_early = cu_r[R + 1:] - 1, cu_r[1:R + 1] - 1
+    logit_rows = np.maximum(np.where(blk[:, nblk - 1] > 0, last_late, last_early), 0)
+    owner = (ext > 0) if rank == 0 else np.zeros(R, np.int64)
+    if whole_on is not None:
+        last_rank = np.where(won > 0, won - 1, 0)
+        owner = (ext > 0) & (last_rank == rank)
+        logit_rows = np.where(won > 0, np.maximum(last_early, 0), logit_rows) * owner
+    return _meta(
+        cp_size=C, local_cap=local_cap, token_index=token_index[rank], positions=position[rank],
+        valid=valid[rank], gather_slots=slot.ravel(), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
+        page_rows=np.tile(table, (2, 1)), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner,
+        gather_token_index=np.where(valid, token_index, -1).ravel(), gather_positions=position.ravel(),
+        gather_requests=req.ravel(), block_lens=blk, early_sequences=R)
+
+
+def interleave_metadata_host(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                             cp_size: int, rank: int, local_cap: int, page_size: int) -> CPMetadata:
+    """``interleave_metadata`` on the host (same arguments, same result)."""
+    ext, pre, table = _np(extend_lens), _np(prefix_lens), _np(page_table)
+    C, R = cp_size, ext.shape[0]
+    cu_ext = np.concatenate([np.zeros(1, np.int64), np.cumsum(ext)])
+    flat = np.arange(C)[:, None] + np.arange(local_cap)[None, :] * C                    # [C, B]
+    valid = flat < cu_ext[-1]
+    req = np.minimum(np.searchsorted(cu_ext[1:], flat, side="right"), R - 1)
+    new_idx = (flat - cu_ext[req]) * valid
+    position = pre[req] * valid + new_idx
+    slot = _slots(table, req, position, valid, page_size)
+    cu_q = np.maximum((cu_ext - rank + C - 1) // C, 0)
+    last = cu_ext[1:] - 1
+    owner = (last % C == rank) & (ext > 0)
+    return _meta(
+        cp_size=C, local_cap=local_cap, token_index=flat[rank] * valid[rank], positions=position[rank],
+        valid=valid[rank], gather_slots=slot.ravel(), cu_seqlens_q=cu_q, q_lens=np.diff(cu_q),
+        kv_lens=pre + ext, page_rows=table, q_limits=(position[rank] + 1) * valid[rank],
+        logit_rows=np.maximum(last // C, 0) * owner, logit_owner=owner,
+        gather_token_index=np.where(valid, flat, -1).ravel(), gather_positions=position.ravel(),
+        gather_requests=req.ravel(), block_lens=ext[:, None])
+
+
+__all__ = ["zigzag_metadata_host", "interleave_metadata_host"]

@@ -1,0 +1,73 @@
+"""The numpy metadata an eager forward builds on the host equals the tensor metadata a graph captures,
+field by field (values, shapes, int64), on random batches of every strategy."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcp.cp.host_metadata import interleave_metadata_host, zigzag_metadata_host
+from graphcp.cp.metadata import interleave_metadata, zigzag_metadata
+from graphcp.cp.strategy import make_strategy
+
+batches = st.tuples(
+    st.integers(1, 4), st.integers(1, 5), st.integers(0, 12),
+    st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40), st.integers(0, 4)), min_size=1, max_size=6),
+    st.integers(0, 2 ** 31))
+
+
+def _inputs(c: int, reqs: list, page_size: int, seed: int):
+    ext = torch.tensor([e for e, _, _ in reqs])
+    pre = torch.tensor([p for _, p, _ in reqs])
+    pages = -(-(ext + pre).max().item() // page_size) + 1
+    table = torch.randint(1, 500, (len(reqs), pages), generator=torch.Generator().manual_seed(seed))
+    whole_on = torch.tensor([w % (c + 1) for _, _, w in reqs])
+    return ext, pre, table, whole_on
+
+
+def _same(host, tensor) -> None:
+    for f in fields(tensor):
+        a, b = getattr(host, f.name), getattr(tensor, f.name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == torch.int64 and a.shape == b.shape, f.name
+            assert torch.equal(a, b), f"{f.name}: {a.tolist()} != {b.tolist()}"
+        else:
+            assert a == b, f.name
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches)
+def test_zigzag_host_equals_tensor_form(batch):
+    c, page_size, pad, reqs, seed = batch
+    ext, pre, table, whole_on = _inputs(c, reqs, page_size, seed)
+    cap = max(make_strategy("zigzag", c).per_rank_tokens(ext.tolist())) + pad or 1
+    for rank in range(c):
+        args = (ext, pre, table, c, rank, cap, page_size)
+        _same(zigzag_metadata_host(*args), zigzag_metadata(*args))
+        # adaptive CP: some requests whole on one rank (cap: every request might be whole here)
+        whole_cap = cap + int(ext.sum())
+        args = (ext, pre, table, c, rank, whole_cap, page_size)
+        _same(zigzag_metadata_host(*args, whole_on), zigzag_metadata(*args, whole_on))
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches)
+def test_interleave_host_equals_tensor_form(batch):
+    c, page_size, pad, reqs, seed = batch
+    ext, pre, table, _ = _inputs(c, reqs, page_size, seed)
+    cap = max(make_strategy("interleave", c).per_rank_tokens(ext.tolist())) + pad or 1
+    for rank in range(c):
+        args = (ext, pre, table, c, rank, cap, page_size)
+        _same(interleave_metadata_host(*args), interleave_metadata(*args))
+
+
+def test_strategies_choose_the_form_by_on_host():
+    """``on_host`` picks numpy; both forms give the same metadata through the strategy API."""
+    ext, pre = torch.tensor([9, 0, 5]), torch.tensor([3, 0, 1])
+    table = torch.arange(12).view(3, 4) + 1
+    for name in ("zigzag", "interleave"):
+        strat = make_strategy(name, 2)
+        cap = max(strat.per_rank_tokens(ext.tolist()))
+        _same(strat.metadata(ext, pre, table, 1, cap, 4, on_host=True), strat.metadata(ext, pre, table, 1, cap, 4))
