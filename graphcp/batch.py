@@ -88,15 +88,15 @@ def validate_requests(requests: Sequence[Request],
     that)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
-    # The serving path first: Requests holding flat int64 tensors, taken as they are (device checked
-    # once on the concatenation below); anything else goes through the per-request checks.
-    fast = all(type(r) is Request for r in requests)
+    # The serving path first: Requests holding int64 tensors, taken as they are (types checked by
+    # sets over C-level maps; dims and device once, on the concatenation below); anything else goes
+    # through the per-request checks.
+    fast = set(map(type, requests)) == {Request}
     if fast:
         rids, ids = [r.rid for r in requests], [r.input_ids for r in requests]
-        fast = (all(type(r) is str and r for r in rids)
-                and all(type(t) is torch.Tensor and t.dtype is torch.int64 and t.dim() == 1
-                        for t in ids))
-        lens = [t.numel() for t in ids] if fast else []
+        fast = (set(map(type, rids)) == {str} and all(rids) and set(map(type, ids)) == {torch.Tensor}
+                and {t.dtype for t in ids} == {torch.int64})
+        lens = list(map(torch.Tensor.numel, ids)) if fast else []
         fast = fast and all(lens)
     if not fast:
         rids, ids, lens = _checked(requests)
@@ -108,7 +108,7 @@ def validate_requests(requests: Sequence[Request],
         every = torch.cat(ids) if len(ids) > 1 else ids[0]
     except RuntimeError:            # tensors on different devices
         every = None
-    if every is None or every.device.type != "cpu" or every.requires_grad:
+    if every is None or every.dim() != 1 or every.device.type != "cpu" or every.requires_grad:
         ids = [_token_tensor(rid, t) for rid, t in zip(rids, ids)]
         every = torch.cat(ids)
     # One range check for the whole batch; the per-request search runs only when it fails.
