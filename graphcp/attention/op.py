@@ -79,7 +79,7 @@ class PagedAttention:
         pool.write_kv(layer_id, meta.gather_slots, k, v)
         page_rows = pool.map_pages(layer_id, meta.page_rows)      # LayerSplit scratch pages
         args = KernelArgs(q, pool.part(layer_id, "k"), pool.part(layer_id, "v"), meta.cu_seqlens_q, page_rows,
-                          meta.q_limits, torch.empty_like(q), pool.page_size, self.scale)
+                          meta.q_limits, q.new_empty(q.shape), pool.page_size, self.scale)
         if self.capturable:
             return _attend(self.kernel, args, self.ctx.host, capturable=True)
         return _attend_break(self.kernel, args, self.ctx.host, self.early_sequences)

@@ -75,4 +75,4 @@ class RotaryEmbedding(nn.Module):
         fn = chosen("rope") if heads.is_cuda else None
         if fn is not None and heads.stride(-1) == 1:
             return fn(heads, cos.squeeze(1), sin.squeeze(1))
-        return rope_torch(heads, cos, sin)
+        return rope_torch(heads, cos, sin, head_major=True)
