@@ -113,11 +113,15 @@ def run(argv: list[str]) -> int:
             times = {"graph": [], "eager": [], "hf": []}
             # At one rank the engine runs in this process, on HF's threads: HF joins the alternation.
             hf_alternates = hf is not None and args.world_size == 1
-            for _ in range(ns.reps):            # graph and eager alternate, so noise hits both alike
-                times["graph"].append(time_ms(lambda: graphcp_run(False)))
-                times["eager"].append(time_ms(lambda: graphcp_run(True)))
-                if hf_alternates:
-                    times["hf"].append(time_ms(lambda: hf(batch)))
+            runs = {"graph": lambda: graphcp_run(False), "eager": lambda: graphcp_run(True)}
+            if hf_alternates:
+                runs["hf"] = lambda: hf(batch)
+            order = list(runs)
+            for rep in range(ns.reps):
+                # The paths alternate, so noise hits all alike; the order rotates every rep, so none
+                # always runs in the caches (or after the allocations) another path left behind.
+                for name in order[rep % len(order):] + order[:rep % len(order)]:
+                    times[name].append(time_ms(runs[name]))
             if hf is not None and not hf_alternates:
                 # HF runs in this process: its OpenMP threads spin after each call and would steal the
                 # cores the ranks need, so it runs as its own block, followed by a pause.
