@@ -81,11 +81,12 @@ def _checked(requests: Sequence[Request]) -> tuple[list[str], list[torch.Tensor]
     return rids, ids, [t.numel() for t in ids]
 
 
-def validate_requests(requests: Sequence[Request],
-                      vocab_size: int) -> tuple[list[str], list[torch.Tensor], list[int], torch.Tensor]:
+def validate_requests(requests: Sequence[Request], vocab_size: int, into: torch.Tensor | None = None
+                      ) -> tuple[list[str], list[torch.Tensor], list[int], torch.Tensor]:
     """Check a batch before anything is written; raise RequestError naming the first bad request.
     Returns the rids, each request's ids and length, and all ids concatenated (the descriptors copy
-    that)."""
+    that). ``into``: a host int64 buffer the concatenation is written to when it fits (the graphs'
+    staging ids, so their fill copies nothing; it holds no state between batches)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
     # The serving path first: Requests holding int64 tensors, taken as they are (types checked by
@@ -105,7 +106,12 @@ def validate_requests(requests: Sequence[Request],
         rid = next(r for r in rids if r in seen or seen.add(r))
         raise RequestError(f"request {rid!r} appears twice in one batch")
     try:
-        every = torch.cat(ids) if len(ids) > 1 else ids[0]
+        if len(ids) == 1:
+            every = ids[0]
+        elif into is not None and sum(lens) <= into.numel():
+            every = torch.cat(ids, out=into[:sum(lens)])
+        else:
+            every = torch.cat(ids)
     except RuntimeError:            # tensors on different devices
         every = None
     if every is None or every.dim() != 1 or every.device.type != "cpu" or every.requires_grad:

@@ -40,7 +40,8 @@ class Descriptors:
     state_out: torch.Tensor      # [req_cap]   per-request state slot written (0: the dummy slot)
     page_table: torch.Tensor     # [req_cap, pages_cap] page ids (0 = the reserved dummy page)
     input_ids: torch.Tensor      # [ids_cap]   the batch's new tokens, flattened in request order
-    # numpy views of packed, page_table and input_ids (host descriptors), made on the first fill
+    # numpy views of packed, page_table and input_ids (host descriptors) and the column indices, made
+    # on the first fill
     _views: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -70,8 +71,9 @@ class Descriptors:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
         No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
         if self._views is None:
-            self._views = (self.packed.numpy(), self.page_table.numpy(), self.input_ids.numpy())
-        packed, table, ids_view = self._views
+            table = self.page_table.numpy()
+            self._views = (self.packed.numpy(), table, self.input_ids.numpy(), np.arange(table.shape[1]))
+        packed, table, ids_view, columns = self._views
         ids_start = packed.shape[0] - ids_view.shape[0]
         packed[:ids_start] = 0           # ids past the batch's are never read (padding rows read row 0)
         n = len(extend_lens)
@@ -83,10 +85,11 @@ class Descriptors:
                 packed[row * cap:row * cap + n] = values
         widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=len(page_rows))
         if widths.sum():
-            used = np.arange(table.shape[1])[None, :] < widths[:, None]
+            used = columns < widths[:, None]
             table[:len(page_rows)][used] = np.concatenate(page_rows)      # rows are int64 arrays
         if flat_ids is not None:
-            np.copyto(ids_view[:flat_ids.numel()], flat_ids.numpy())
+            if flat_ids.data_ptr() != self.input_ids.data_ptr():   # else validation wrote them here
+                np.copyto(ids_view[:flat_ids.numel()], flat_ids.numpy())
         else:
             torch.cat(ids, out=self.input_ids[:sum(t.numel() for t in ids)])
 

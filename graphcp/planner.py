@@ -99,6 +99,7 @@ class Planner:
         self.vocab_size, self.max_batch_requests = vocab_size, max_batch_requests
         self.dp_pages = [PageTable(num_pages, page_size, max_context, state_slots) for _ in range(dp_size)]
         self.pages = self.dp_pages[dp_rank]
+        self.ids_buffer: torch.Tensor | None = None   # the graphs' staging ids (see validate_requests)
 
     # -- decisions -------------------------------------------------------------------------------
     def assign_dp(self, rids: list[str], extend_lens: list[int]) -> list[int]:
@@ -117,10 +118,11 @@ class Planner:
     def plan(self, requests: Sequence[Request], force_eager: bool = False, graph_reason: str | None = None,
              buckets: Sequence[int] = (), failures: dict[int, str] | None = None) -> BatchPlan:
         """Validate and place a batch; raises RequestError (changing nothing) when it cannot run."""
-        all_rids, all_ids, all_ext, flat = validate_requests(requests, self.vocab_size)
+        into = self.ids_buffer if len(self.dp_pages) == 1 else None     # DP: a group's ids are a subset
+        all_rids, all_ids, all_ext, flat = validate_requests(requests, self.vocab_size, into)
         groups = self.assign_dp(all_rids, all_ext)
         if len(self.dp_pages) == 1:
-            self.pages.check(all_rids, all_ext)
+            prefix = self.pages.check(all_rids, all_ext)
             indices, rids, ids, ext = list(range(len(all_rids))), all_rids, all_ids, all_ext
         else:
             for g, pages in enumerate(self.dp_pages):          # every group's check, on every rank
@@ -130,7 +132,7 @@ class Planner:
             rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
             ext = [all_ext[i] for i in indices]
             flat = None               # this group's ids are a subset: the descriptors concatenate them
-        prefix = [self.pages.prefix_len(r) for r in rids]
+            prefix = [self.pages.prefix_len(r) for r in rids]
         layout = self.strategy.plan(ext, prefix, self.cp_rank)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
         if len(self.dp_pages) > 1:

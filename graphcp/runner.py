@@ -95,6 +95,7 @@ class ModelRunner:
         ids_cap = self.strategy.cp_size * max(buckets)
         inputs = GraphInputs.allocate(args.max_batch_requests, self.planner.pages.max_pages_per_request, ids_cap,
                                       self.model_config.vocab_size, self.aux.width, self.dtype, self.device)
+        self.planner.ids_buffer = inputs.staging.input_ids     # validation concatenates the ids there
         collective_breaks = args.world_size > 1 and torch.distributed.get_backend() != "nccl"
         self.graphs = GraphRunner(self.forward, inputs, self.device, self.par.all_ranks_agree, collective_breaks)
         self.graphs.capture_all(buckets, self._capture_batch, progress=progress)

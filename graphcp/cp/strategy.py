@@ -149,10 +149,11 @@ class ZigzagStrategy(ContextParallelStrategy):
         """Rank r holds 2 * (n // 2C) tokens of each request, plus one more for each of its blocks
         (r and 2C-1-r) that the remainder n % 2C reaches: counted once per remainder, not per request."""
         c2 = 2 * self.cp_size
-        base = 2 * sum(n // c2 for n in extend_lens)
+        rems = [n % c2 for n in extend_lens]
+        base = 2 * ((sum(extend_lens) - sum(rems)) // c2)      # 2 * sum(n // 2C)
         reach = [0] * (c2 + 1)             # reach[b]: requests whose remainder covers block b
-        for n in extend_lens:
-            reach[n % c2] += 1
+        for r in rems:
+            reach[r] += 1
         for b in range(c2 - 1, -1, -1):
             reach[b] += reach[b + 1]
         return [base + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
@@ -161,7 +162,8 @@ class ZigzagStrategy(ContextParallelStrategy):
         c2, rank = 2 * self.cp_size, rank % self.cp_size     # an unsharded batch runs as rank 0 of 1
         host = super().host_maxima(extend_lens, prefix_lens, rank)
         host.max_q = -(-max(extend_lens, default=0) // c2)
-        host.early_rows = sum(n // c2 + (rank < n % c2) for n in extend_lens)
+        rems = [n % c2 for n in extend_lens]      # early block r: n // 2C + (r < n % 2C) tokens
+        host.early_rows = (sum(extend_lens) - sum(rems)) // c2 + sum([r > rank for r in rems])
         return host
 
 

@@ -69,16 +69,20 @@ class PageTable:
         cached, have = (state.cached_len, len(state.pages)) if state else (0, 0)
         return max(0, -(-(cached + extend_len) // self.page_size) - have)
 
-    def check(self, rids: list[str], extend_lens: list[int]) -> None:
-        """Raise RequestError for the first request that cannot fit; changes nothing."""
-        need, ps, requests = 0, self.page_size, self.requests
-        for rid, n in zip(rids, extend_lens):
-            state = requests.get(rid)
+    def check(self, rids: list[str], extend_lens: list[int]) -> list[int]:
+        """Raise RequestError for the first request that cannot fit; changes nothing. Returns each
+        request's cached prefix length (read here anyway)."""
+        need, ps, get, limit, prefix = 0, self.page_size, self.requests.get, self.max_context, []
+        for rid, n in zip(rids, extend_lens):       # per request on every batch: kept to plain ops
+            state = get(rid)
             cached, have = (state.cached_len, len(state.pages)) if state else (0, 0)
+            prefix.append(cached)
             total = cached + n
-            if total > self.max_context:
-                raise RequestError(f"request {rid!r}: {total} tokens exceed the context limit of {self.max_context}")
-            need += max(0, -(-total // ps) - have)
+            if total > limit:
+                raise RequestError(f"request {rid!r}: {total} tokens exceed the context limit of {limit}")
+            more = -(-total // ps) - have
+            if more > 0:
+                need += more
         if need > self._top:
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
                                f"only {self.tokens_free} are free; release finished requests")
@@ -88,6 +92,7 @@ class PageTable:
             raise RequestError(f"request {first!r}: no free per-request state slot ({held} "
                                "requests hold one, a batch writes each of its requests to a spare "
                                "one); release finished requests or raise --max-state-requests")
+        return prefix
 
     def allocate(self, rids: list[str], extend_lens: list[int]) -> list[np.ndarray]:
         """Grow each request's pages for its new tokens; returns the undo list of new pages per request."""

@@ -23,6 +23,7 @@ def measure_host_prep(requests: int = 32, length: int = 1024, cp: int = 8, reps:
     planner = Planner(strategy, cp, 1, 0, vocab, pages + 1, page_size, length, requests)
     buckets = [strategy.aligned(b) for b in (256, 512, 1024, 2048, 4096, 8192)]
     staging = Descriptors.allocate(requests, planner.pages.max_pages_per_request, cp * max(buckets))
+    planner.ids_buffer = staging.input_ids            # as the runner wires its graphs' staging
     ids = [torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(i)) for i in range(requests)]
     out = {"case": f"{requests}x{length} at CP {cp}"}
     for kind, batch in (("tensor", [Request(f"r{i}", t) for i, t in enumerate(ids)]),
