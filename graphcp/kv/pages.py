@@ -87,7 +87,7 @@ class PageTable:
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
                                f"only {self.tokens_free} are free; release finished requests")
         if self.state_slots and len(rids) > len(self._free_states):
-            held = sum(1 for r in requests.values() if r.state_slot)
+            held = sum(1 for r in self.requests.values() if r.state_slot)
             first = rids[len(self._free_states)]
             raise RequestError(f"request {first!r}: no free per-request state slot ({held} "
                                "requests hold one, a batch writes each of its requests to a spare "
