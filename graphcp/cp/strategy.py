@@ -89,8 +89,9 @@ class ContextParallelStrategy:
     def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
         """The live batch's host-side maxima that kernels run in a graph break need (``rank`` is the CP
         rank; a batch that runs unsharded uses this one-rank strategy, where every rank is rank 0)."""
-        return HostMaxima(max_q=-(-max(extend_lens, default=0) // self.cp_size),
-                          max_kv=max(map(int.__add__, prefix_lens, extend_lens), default=0))
+        longest = max(extend_lens, default=0)
+        max_kv = max(map(int.__add__, prefix_lens, extend_lens), default=0) if any(prefix_lens) else longest
+        return HostMaxima(max_q=-(-longest // self.cp_size), max_kv=max_kv)
 
     def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
                  rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None,
