@@ -106,10 +106,11 @@ def validate_requests(requests: Sequence[Request], vocab_size: int, into: torch.
         rid = next(r for r in rids if r in seen or seen.add(r))
         raise RequestError(f"request {rid!r} appears twice in one batch")
     try:
+        total = sum(lens)
         if len(ids) == 1:
             every = ids[0]
-        elif into is not None and sum(lens) <= into.numel():
-            every = torch.cat(ids, out=into[:sum(lens)])
+        elif into is not None and total <= into.numel():
+            every = torch.cat(ids, out=into[:total])
         else:
             every = torch.cat(ids)
     except RuntimeError:            # tensors on different devices

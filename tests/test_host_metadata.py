@@ -37,30 +37,24 @@ def _same(host, tensor) -> None:
             assert a == b, f.name
 
 
-@settings(max_examples=400, deadline=None)
-@given(batches)
-def test_zigzag_host_equals_tensor_form(batch):
+FORMS = {"zigzag": (zigzag_metadata_host, zigzag_metadata),
+         "interleave": (interleave_metadata_host, interleave_metadata)}
+
+
+@settings(max_examples=800, deadline=None)     # 400 per strategy, as two tests had
+@given(batches, st.sampled_from(sorted(FORMS)))
+def test_host_form_equals_tensor_form(batch, name):
     c, page_size, pad, reqs, seed = batch
     ext, pre, table, whole_on = _inputs(c, reqs, page_size, seed)
-    cap = max(make_strategy("zigzag", c).per_rank_tokens(ext.tolist())) + pad or 1
+    cap = max(make_strategy(name, c).per_rank_tokens(ext.tolist())) + pad or 1
+    host, tensor = FORMS[name]
     for rank in range(c):
         args = (ext, pre, table, c, rank, cap, page_size)
-        _same(zigzag_metadata_host(*args), zigzag_metadata(*args))
-        # adaptive CP: some requests whole on one rank (cap: every request might be whole here)
-        whole_cap = cap + int(ext.sum())
-        args = (ext, pre, table, c, rank, whole_cap, page_size)
-        _same(zigzag_metadata_host(*args, whole_on), zigzag_metadata(*args, whole_on))
-
-
-@settings(max_examples=400, deadline=None)
-@given(batches)
-def test_interleave_host_equals_tensor_form(batch):
-    c, page_size, pad, reqs, seed = batch
-    ext, pre, table, _ = _inputs(c, reqs, page_size, seed)
-    cap = max(make_strategy("interleave", c).per_rank_tokens(ext.tolist())) + pad or 1
-    for rank in range(c):
-        args = (ext, pre, table, c, rank, cap, page_size)
-        _same(interleave_metadata_host(*args), interleave_metadata(*args))
+        _same(host(*args), tensor(*args))
+        if name == "zigzag":
+            # adaptive CP: some requests whole on one rank (cap: every request might be whole here)
+            args = (ext, pre, table, c, rank, cap + int(ext.sum()), page_size)
+            _same(host(*args, whole_on), tensor(*args, whole_on))
 
 
 def test_strategies_choose_the_form_by_on_host():

@@ -144,8 +144,9 @@ def _read(pool: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
     copy costs."""
     if isinstance(slots, slice):
         return pool[slots].unsqueeze(0).transpose(1, 2).contiguous()
-    rows = pool.index_select(0, slots.reshape(-1))
-    return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2).contiguous()
+    # gathered head by head: one copy, each (sequence, head) a contiguous [kv_len, D] block
+    rows = pool.transpose(0, 1).index_select(1, slots.reshape(-1))               # [H, G * kv_len, D]
+    return rows.view(pool.shape[1], *slots.shape, pool.shape[2]).transpose(0, 1)
 
 
 def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
