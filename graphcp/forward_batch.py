@@ -71,22 +71,25 @@ class Descriptors:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
         No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
         if self._views is None:
-            table = self.page_table.numpy()
-            self._views = (self.packed.numpy(), table, self.input_ids.numpy(), np.arange(table.shape[1]))
-        packed, table, ids_view, columns = self._views
-        ids_start = packed.shape[0] - ids_view.shape[0]
+            table, packed, ids_view = self.page_table.numpy(), self.packed.numpy(), self.input_ids.numpy()
+            self._views = (packed, table, ids_view, np.arange(table.shape[1]),
+                           packed.shape[0] - ids_view.shape[0], self.extend_lens.shape[0])
+        packed, table, ids_view, columns, ids_start, cap = self._views
         packed[:ids_start] = 0           # ids past the batch's are never read (padding rows read row 0)
         n = len(extend_lens)
-        cap = self.extend_lens.shape[0]
         packed[:n] = extend_lens
         packed[cap:cap + n] = prefix_lens
         for row, values in ((2, whole_on), (3, states[0]), (4, states[1])):
             if values is not None:
                 packed[row * cap:row * cap + n] = values
-        widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=len(page_rows))
-        if widths.sum():
-            used = columns < widths[:, None]
-            table[:len(page_rows)][used] = np.concatenate(page_rows)      # rows are int64 arrays
+        widths, m = set(map(len, page_rows)), len(page_rows)
+        if len(widths) == 1:          # equal rows (rows are int64 arrays): one block copy
+            width = widths.pop()
+            if width:
+                table[:m, :width] = np.concatenate(page_rows).reshape(m, width)
+        else:
+            widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=m)
+            table[:m][columns < widths[:, None]] = np.concatenate(page_rows)
         if flat_ids is not None:
             if flat_ids.data_ptr() != self.input_ids.data_ptr():   # else validation wrote them here
                 np.copyto(ids_view[:flat_ids.numel()], flat_ids.numpy())

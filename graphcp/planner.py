@@ -42,7 +42,7 @@ def config_ineligibility(args: EngineArgs, backend: str, model_reason: str | Non
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchPlan:
     """This rank's part of a batch: its DP group's requests, their layout, and graph or eager."""
     rids: list[str]
@@ -118,13 +118,14 @@ class Planner:
     def plan(self, requests: Sequence[Request], force_eager: bool = False, graph_reason: str | None = None,
              buckets: Sequence[int] = (), failures: dict[int, str] | None = None) -> BatchPlan:
         """Validate and place a batch; raises RequestError (changing nothing) when it cannot run."""
-        into = self.ids_buffer if len(self.dp_pages) == 1 else None     # DP: a group's ids are a subset
+        single = len(self.dp_pages) == 1
+        into = self.ids_buffer if single else None     # DP: a group's ids are a subset
         all_rids, all_ids, all_ext, flat = validate_requests(requests, self.vocab_size, into)
-        groups = self.assign_dp(all_rids, all_ext)
-        if len(self.dp_pages) == 1:
-            prefix = self.pages.check(all_rids, all_ext)
+        if single:
+            groups, prefix = [0] * len(all_rids), self.pages.check(all_rids, all_ext)
             indices, rids, ids, ext = list(range(len(all_rids))), all_rids, all_ids, all_ext
         else:
+            groups = self.assign_dp(all_rids, all_ext)
             for g, pages in enumerate(self.dp_pages):          # every group's check, on every rank
                 mine = [i for i, d in enumerate(groups) if d == g]
                 pages.check([all_rids[i] for i in mine], [all_ext[i] for i in mine])
@@ -135,7 +136,7 @@ class Planner:
             prefix = [self.pages.prefix_len(r) for r in rids]
         layout = self.strategy.plan(ext, prefix, self.cp_rank)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
-        if len(self.dp_pages) > 1:
+        if not single:
             caps = [self.strategy.plan([n for n, d in zip(all_ext, groups) if d == g],
                                        [self.dp_pages[g].prefix_len(r) for r, d in zip(all_rids, groups) if d == g],
                                        self.cp_rank).local_cap if g != self.dp_rank else layout.local_cap

@@ -3,6 +3,8 @@ and transactions that leave no trace when rolled back."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from graphcp import Request, RequestError
@@ -125,3 +127,44 @@ def test_dummy_batches_fill_their_bucket(strategy, cp):
             assert len(ext) <= 8 and min(ext) >= s.min_request_len and max(ext) <= 512
             assert s.plan(ext, prefix, 0).local_cap <= bucket and all(0 <= p <= 64 for p in prefix)
     assert s.dummy_batch(s.aligned(4096), 2, 64, 0) is None   # two 64-token requests cannot fill it
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.lists(st.tuples(st.integers(1, 70), st.integers(0, 30)), min_size=1, max_size=6))
+def test_zigzag_counts_and_maxima_match_the_blocks(cp, batch):
+    """The serving path's one-pass counts and host maxima, against each request's 2C blocks."""
+    ext, pre = [e for e, _ in batch], [p for _, p in batch]
+    if min(ext) < 2 * cp and cp > 1:
+        ext = [e + 2 * cp for e in ext]
+    strategy = make_strategy("zigzag", cp)
+    blocks = [[n // (2 * cp) + (b < n % (2 * cp)) for b in range(2 * cp)] for n in ext]
+    for rank in range(cp):
+        counts, host = strategy.counts_and_maxima(ext, pre, rank)
+        assert counts == [sum(k[r] + k[2 * cp - 1 - r] for k in blocks) for r in range(cp)]
+        assert host.early_rows == sum(k[rank] for k in blocks)
+        assert host.max_q == max(max(k) for k in blocks)
+        assert host.max_kv == max(p + n for p, n in zip(pre, ext))
+        plan = strategy.plan(ext, pre, rank)
+        assert plan.per_rank_tokens == counts and plan.host == host
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=5), st.integers(0, 3), st.booleans())
+def test_page_check_fresh_and_cached_paths_agree(lens, spare, cached):
+    """Fresh requests only (checked by C-level maps) or with a cached one (checked per request): a
+    batch fits exactly when its pages are free, and the prefixes come back."""
+    page_size, need = 4, sum(-(-n // 4) for n in lens)
+    p = planner(pages=need + spare + 1 + (2 if cached else 0), page_size=page_size, context=40)
+    batch = reqs(*lens)
+    if cached:                          # 5 tokens in 2 pages; 3 more fit them without a new page
+        p.commit(p.allocate(p.plan([Request("old", [1] * 5)])))
+        batch.append(Request("old", [2] * 3))
+    plan = p.plan(batch)
+    assert plan.prefix_lens == [0] * len(lens) + ([5] if cached else [])
+    p.rollback(p.allocate(plan))
+    before = snapshot(p)
+    with pytest.raises(RequestError, match="KV tokens"):
+        p.plan(batch + [Request("extra", [1] * (page_size * (spare + 1)))])
+    with pytest.raises(RequestError, match="'long': 41 tokens exceed the context limit of 40"):
+        p.plan(batch + [Request("long", [1] * 41)])
+    assert snapshot(p) == before

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class HostMaxima:
     """Host-side values of one batch on one rank (break arguments) and a per-forward kernel scratch."""
     max_q: int = 0

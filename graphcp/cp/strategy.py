@@ -13,7 +13,7 @@ from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
 from graphcp.cp.plan import HostMaxima
 
 
-@dataclass
+@dataclass(slots=True)
 class LayoutPlan:
     """A batch's layout, decided once on the host (``ContextParallelStrategy.plan``): the strategy it runs
     with, what each CP rank holds, the padded local capacity and this rank's host maxima. The planner makes
@@ -62,9 +62,9 @@ class ContextParallelStrategy:
             extend_lens, prefix_lens = [0], [0]
         placed = self.for_batch(extend_lens, prefix_lens)
         if self.cp_size > 1 and placed.applies(extend_lens):
-            counts = placed.per_rank_tokens(extend_lens)
-            return LayoutPlan(placed, True, counts, max(1, placed.aligned(max(counts))),
-                              placed.host_maxima(extend_lens, prefix_lens, rank), placed.whole_on)
+            counts, host = placed.counts_and_maxima(extend_lens, prefix_lens, rank)
+            return LayoutPlan(placed, True, counts, max(1, placed.aligned(max(counts))), host,
+                              placed.whole_on)
         whole = unsharded()
         reason = self.unsharded_reason() if self.cp_size > 1 else None
         return LayoutPlan(whole, False, [sum(extend_lens)] * self.cp_size, max(1, sum(extend_lens)),
@@ -85,6 +85,11 @@ class ContextParallelStrategy:
 
     def aligned(self, tokens: int) -> int:
         return -(-tokens // self.align) * self.align
+
+    def counts_and_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int
+                          ) -> tuple[list[int], HostMaxima]:
+        """``per_rank_tokens`` and ``host_maxima`` together (a layout may share their work)."""
+        return self.per_rank_tokens(extend_lens), self.host_maxima(extend_lens, prefix_lens, rank)
 
     def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
         """The live batch's host-side maxima that kernels run in a graph break need (``rank`` is the CP
@@ -158,6 +163,24 @@ class ZigzagStrategy(ContextParallelStrategy):
         for b in range(c2 - 1, -1, -1):
             reach[b] += reach[b + 1]
         return [base + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
+
+    def counts_and_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int
+                          ) -> tuple[list[int], HostMaxima]:
+        """Both from one pass over the remainders (every batch on the serving path)."""
+        if type(self).per_rank_tokens is not ZigzagStrategy.per_rank_tokens:    # adaptive placement
+            return super().counts_and_maxima(extend_lens, prefix_lens, rank)
+        c2, rank = 2 * self.cp_size, rank % self.cp_size
+        rems = [n % c2 for n in extend_lens]
+        blocks = (sum(extend_lens) - sum(rems)) // c2          # sum(n // 2C)
+        reach = [0] * (c2 + 1)             # reach[b]: requests whose remainder covers block b
+        for r in rems:
+            reach[r] += 1
+        for b in range(c2 - 1, -1, -1):
+            reach[b] += reach[b + 1]
+        counts = [2 * blocks + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
+        longest = max(extend_lens)
+        max_kv = max(map(int.__add__, prefix_lens, extend_lens)) if any(prefix_lens) else longest
+        return counts, HostMaxima(-(-longest // c2), max_kv, blocks + reach[rank + 1])
 
     def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
         c2, rank = 2 * self.cp_size, rank % self.cp_size     # an unsharded batch runs as rank 0 of 1

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from operator import neg
+
 import numpy as np
 
 from graphcp.errors import RequestError
 
 
+_NO_PAGES = np.zeros(0, dtype=np.int64)
+_NO_PAGES.flags.writeable = False        # shared by every new request (its pages are replaced, never written)
+
+
 def _no_pages() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)
+    return _NO_PAGES
 
 
 @dataclass(eq=False)
@@ -72,17 +78,13 @@ class PageTable:
     def check(self, rids: list[str], extend_lens: list[int]) -> list[int]:
         """Raise RequestError for the first request that cannot fit; changes nothing. Returns each
         request's cached prefix length (read here anyway)."""
-        need, ps, get, limit, prefix = 0, self.page_size, self.requests.get, self.max_context, []
-        for rid, n in zip(rids, extend_lens):       # per request on every batch: kept to plain ops
-            state = get(rid)
-            cached, have = (state.cached_len, len(state.pages)) if state else (0, 0)
-            prefix.append(cached)
-            total = cached + n
-            if total > limit:
-                raise RequestError(f"request {rid!r}: {total} tokens exceed the context limit of {limit}")
-            more = -(-total // ps) - have
-            if more > 0:
-                need += more
+        ps, limit = self.page_size, self.max_context
+        states = list(map(self.requests.get, rids))
+        if states.count(None) == len(states) and max(extend_lens, default=0) <= limit:
+            # Fresh requests, the common prefill: no prefixes, ceil(n / ps) pages each (C-level maps).
+            prefix, need = [0] * len(rids), -sum(map(ps.__rfloordiv__, map(neg, extend_lens)))
+        else:
+            prefix, need = self._check_each(rids, extend_lens, states)
         if need > self._top:
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
                                f"only {self.tokens_free} are free; release finished requests")
@@ -94,18 +96,44 @@ class PageTable:
                                "one); release finished requests or raise --max-state-requests")
         return prefix
 
+    def _check_each(self, rids: list[str], extend_lens: list[int], states: list
+                    ) -> tuple[list[int], int]:
+        need, ps, limit, prefix = 0, self.page_size, self.max_context, []
+        for rid, n, state in zip(rids, extend_lens, states):
+            cached, have = (state.cached_len, len(state.pages)) if state else (0, 0)
+            prefix.append(cached)
+            total = cached + n
+            if total > limit:
+                raise RequestError(f"request {rid!r}: {total} tokens exceed the context limit of {limit}")
+            more = -(-total // ps) - have
+            if more > 0:
+                need += more
+        return prefix, need
+
     def allocate(self, rids: list[str], extend_lens: list[int]) -> list[np.ndarray]:
-        """Grow each request's pages for its new tokens; returns the undo list of new pages per request."""
-        added = []
+        """Grow each request's pages for its new tokens; returns the undo list of new pages per request.
+        The batch's pages leave the stack in one slice (top first, request by request)."""
+        requests, ps, counts, states = self.requests, self.page_size, [], []
         for rid, n in zip(rids, extend_lens):
-            state = self.requests.setdefault(rid, RequestKV())
-            k = self.pages_needed(rid, n)
-            new = self._free[self._top - k:self._top][::-1].copy()     # the stack's top k, top first
-            self._top -= k
+            state = requests.get(rid)
+            if state is None:
+                state = requests[rid] = RequestKV()
+                counts.append(-(-n // ps))
+            else:
+                counts.append(max(0, -(-(state.cached_len + n) // ps) - len(state.pages)))
+            states.append(state)
+        total = sum(counts)
+        block = self._free[self._top - total:self._top][::-1].copy()
+        self._top -= total
+        added, start = [], 0
+        for state, k in zip(states, counts):
+            new = block[start:start + k]
+            start += k
             state.pages = np.concatenate((state.pages, new)) if len(state.pages) else new
-            if self.state_slots:
-                state.next_state_slot = self._free_states.pop()
             added.append(new)
+        if self.state_slots:
+            for state in states:
+                state.next_state_slot = self._free_states.pop()
         return added
 
     def commit(self, rids: list[str], extend_lens: list[int]) -> None:
@@ -118,14 +146,18 @@ class PageTable:
 
     def rollback(self, rids: list[str], added: list[np.ndarray]) -> None:
         """Undo ``allocate`` exactly, free-stack order included (last request first)."""
-        for rid, new in reversed(list(zip(rids, added))):
-            state = self.requests[rid]
-            state.pages = state.pages[:len(state.pages) - len(new)]
-            self._push(new)
-            self._free_state(state.next_state_slot)
-            state.next_state_slot = 0
+        states = [self.requests[rid] for rid in rids]
+        if self.state_slots:
+            for state in reversed(states):
+                self._free_state(state.next_state_slot)
+                state.next_state_slot = 0
+        for rid, state, new in zip(rids, states, added):
+            if len(new):
+                state.pages = state.pages[:len(state.pages) - len(new)]
             if not len(state.pages) and state.cached_len == 0:
                 del self.requests[rid]
+        if added:
+            self._push(np.concatenate(added))     # pushed reversed: the first page is on top again
 
     def release(self, rid: str) -> None:
         state = self.requests.pop(rid, None)
