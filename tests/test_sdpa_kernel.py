@@ -151,12 +151,16 @@ def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
     assert groups[0].slots == slice(page_size, page_size + extend + prefix)
 
 
-def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, consecutive):
     """Two equal requests at CP 1: rows hold both early blocks, then both late blocks; each
-    request's two blocks join (rows apart) and the two requests share one causal call."""
+    request's two blocks join (rows apart) and the two requests share one causal call. Their K/V
+    are gathered from shuffled pages, or read as one slice from pages allocated in order."""
     gen = torch.Generator().manual_seed(5)
     extend, page_size = 96, 16
     table, *pools = _pools(gen, [extend, extend], 2, page_size, 2)
+    if consecutive:
+        table = torch.arange(1, 1 + table.numel()).view(table.shape)
     meta = zigzag_metadata(torch.tensor([extend, extend]), torch.tensor([0, 0]), table, 1, 0,
                            2 * extend + 2, page_size)
     assert meta.cu_seqlens_q.tolist() == [0, 48, 96, 144, 192]
@@ -166,6 +170,8 @@ def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch):
     q = torch.randn(2 * extend + 2, HQ, D, generator=gen)
     _check(q, pools, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
     assert calls == [(2, HQ, extend, D)]
+    _, _, groups = torch_sdpa._plan(meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
+    assert isinstance(groups[0].slots, slice) == consecutive and groups[0].seqs == 2
 
 
 @pytest.mark.parametrize("stride", [2, 4])
