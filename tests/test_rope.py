@@ -227,3 +227,32 @@ def test_qwen3_card_yarn_at_cp2_zigzag(e2e_checkpoints, engines, oracle):
     assert out.cp_applied
     print(f"cp2 zigzag yarn: worst rel err {s.worst:.2e}")
     s.release_all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_forms_are_bit_equal_to_hf(dtype):
+    """The torch forms graphcp runs on CPU (RoPE in four ops from the rotated sin, head-major or
+    not; fp32 RMSNorm by torch's fused op) give HF's values bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch, rotated_sin
+    gen = torch.Generator().manual_seed(7)
+    t, h, d = 37, 6, 32
+    x = (torch.randn(t, h, d, generator=gen) * 3).to(dtype)
+    angles = torch.arange(t)[:, None] * torch.rand(d // 2, generator=gen)[None] * 50
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    # HF's layout: [B, H, T, D] with cos/sin [B, T, D] unsqueezed at the head dim
+    hf, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    hf = hf[0].transpose(0, 1)
+    for head_major in (False, True):
+        for rot in (None, rotated_sin(sin[:, None])):
+            ours = rope_torch(x, cos[:, None], sin[:, None], head_major=head_major, rot_sin=rot)
+            assert torch.equal(ours, hf)
+            assert ours.transpose(0, 1).is_contiguous() == head_major
+    norm = LlamaRMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=gen))
+    norm = norm.to(dtype)
+    for rows in (x.reshape(-1, d), x[:, 1]):                  # contiguous and strided rows
+        assert torch.equal(rms_norm_torch(rows, norm.weight, 1e-6), norm(rows))

@@ -7,7 +7,7 @@ GQA: query head h reads kv head h // (Hq/Hkv). Rows past the last sequence are w
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -49,16 +49,16 @@ def _group_sequences(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
     return [order[:split], order[split:]]
 
 
-def sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
-                     page_size: int) -> list[tuple]:
-    """Layer-independent gather indices per group of sequences: padded query rows, KV slots, causal mask.
-    Index arithmetic on the host in numpy (a few us an op where a torch op costs ~10), then moved."""
-    dev = cu_seqlens_q.device
-    cu, table, lim = (t.cpu().numpy() for t in (cu_seqlens_q, page_rows, q_limits))
+def _host_groups(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+                 page_size: int) -> Iterator[tuple]:
+    """Per group of sequences, in numpy: padded query rows [G, max_q], their validity, KV slots
+    [G, max_kv], the causal mask when small (else None), the limits and the key positions. Index
+    arithmetic on the host (a few us an op where a torch op costs ~10)."""
+    host = cu_seqlens_q.device.type == "cpu"            # then read in place
+    cu, table, lim = (t.numpy() if host else t.cpu().numpy() for t in (cu_seqlens_q, page_rows, q_limits))
     q_lens = np.diff(cu)
     # Limits never decrease inside a sequence (bottom-right causal), so its last query sees the most keys.
     kv_lens = np.where(q_lens > 0, lim[np.maximum(cu[1:] - 1, 0)], 0)
-    layout = []
     for group in _group_sequences(q_lens.tolist(), kv_lens.tolist()):
         seqs = np.asarray(group)
         max_q, max_kv = int(q_lens[seqs].max()), int(kv_lens[seqs].max())
@@ -71,8 +71,44 @@ def sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limit
         # The mask is kept for every layer when small; a long prompt's is made chunk by chunk.
         small = q_idx.size * max_kv <= _MASK_ELEMENTS
         mask = (key_pos[None, None, :] < limits[:, :, None])[:, None] if small else None  # [G, 1, max_q, max_kv]
-        parts = (q_idx, q_valid, q_idx[q_valid], slots, mask, limits, key_pos)
-        layout.append(tuple(None if a is None else torch.from_numpy(a).to(dev) for a in parts))
+        yield q_idx, q_valid, slots, mask, limits, key_pos
+
+
+def _moved(parts: tuple, device: torch.device) -> tuple:
+    if device.type == "cpu":                 # handed back as they are: no op dispatched
+        return tuple(None if a is None else torch.from_numpy(a) for a in parts)
+    return tuple(None if a is None else torch.from_numpy(a).to(device) for a in parts)
+
+
+def sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+                    page_size: int) -> list[tuple]:
+    """Layer-independent gather indices per group of sequences: (padded query rows, their validity,
+    the real rows, KV slots, mask, limits, key positions), on the metadata's device."""
+    return [_moved((q_idx, q_valid, q_idx[q_valid], slots, mask, limits, key_pos), cu_seqlens_q.device)
+            for q_idx, q_valid, slots, mask, limits, key_pos
+            in _host_groups(cu_seqlens_q, page_rows, q_limits, page_size)]
+
+
+def head_major_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+                      page_size: int, q_heads: int, kv_heads: int) -> list[tuple]:
+    """``sequence_layout`` shaped so that each gather yields the [G, H, len, D] layout SDPA takes
+    (no transposes per layer): per group, KV slots [G, 1, max_kv] and head indices [1, Hkv, 1],
+    then its query chunks (one where the mask is small), each with its query rows [G, 1, n] and
+    heads [1, Hq, 1], the (sequence, row) pairs of its real queries, their rows in ``q``, and its
+    mask, or the limits and key positions to make it from."""
+    dev = cu_seqlens_q.device
+    hq, hkv = np.arange(q_heads)[None, :, None], np.arange(kv_heads)[None, :, None]
+    layout = []
+    for q_idx, q_valid, slots, mask, limits, key_pos in _host_groups(cu_seqlens_q, page_rows, q_limits,
+                                                                       page_size):
+        g, max_q = q_idx.shape
+        step = max_q if mask is not None else max(1, _SCORE_BYTES // (4 * g * q_heads * slots.shape[1]))
+        chunks = []
+        for c in range(0, max_q, step):
+            qi, qv = q_idx[:, c:c + step], q_valid[:, c:c + step]
+            made = (mask, None, None) if mask is not None else (None, limits[:, c:c + step], key_pos)
+            chunks.append(_moved((qi[:, None], hq, *np.nonzero(qv), qi[qv], *made), dev))
+        layout.append((*_moved((slots[:, None], hkv), dev), chunks))
     return layout
 
 
@@ -88,23 +124,23 @@ def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
-    layout = per_forward(workspace, f"torch{page_size}", (cu_seqlens_q, page_rows, q_limits),
-                         lambda: sequence_layout(cu_seqlens_q, page_rows, q_limits, page_size))
-    for q_idx, q_valid, rows, slots, mask, limits, key_pos in layout:
-        k, v = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)
-        if mask is not None:
-            _sdpa(q, k, v, q_idx, q_valid, rows, mask, scale, out)
-            continue
-        step = max(1, _SCORE_BYTES // (4 * q_idx.shape[0] * q.shape[1] * slots.shape[1]))
-        for c in range(0, q_idx.shape[1], step):
-            qi, qv = q_idx[:, c:c + step], q_valid[:, c:c + step]
-            _sdpa(q, k, v, qi, qv, qi[qv], _mask(key_pos, limits[:, c:c + step]), scale, out)
+    hq, hkv = q.shape[1], k_pool.shape[1]
+    layout = per_forward(workspace, f"torch{page_size}/{hq}/{hkv}", (cu_seqlens_q, page_rows, q_limits),
+                         lambda: head_major_layout(cu_seqlens_q, page_rows, q_limits, page_size, hq, hkv))
+    for slots, kv_heads, chunks in layout:
+        k, v = k_pool[slots, kv_heads], v_pool[slots, kv_heads]                 # [G, Hkv, max_kv, D]
+        for q_idx, q_heads, seq, row, rows, mask, limits, key_pos in chunks:
+            if mask is None:                 # a long prompt's mask, made chunk by chunk
+                mask = _mask(key_pos, limits)
+            _sdpa(q, k, v, (q_idx, q_heads), (seq, row), rows, mask, scale, out)
     return out
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor,
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: tuple, valid: tuple,
           rows: torch.Tensor, mask: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """``q_index``: (rows [G, 1, max_q], heads [1, Hq, 1]); ``valid``: (sequence, row) of each real
+    query, in the order of ``rows`` (its row in ``q`` and ``out``)."""
     o = torch.nn.functional.scaled_dot_product_attention(
-        q[q_idx].transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)   # [G, Hq, max_q, D]
-    o = o.transpose(1, 2)[q_valid]
+        q[q_index], k, v, attn_mask=mask, scale=scale, enable_gqa=True)          # [G, Hq, max_q, D]
+    o = o[valid[0], :, valid[1]]                                                 # [real queries, Hq, D]
     out[rows] = o if o.dtype == out.dtype else o.to(out.dtype)

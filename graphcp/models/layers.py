@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from graphcp.kernels.registry import chosen
-from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
+from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch, rotated_sin
 from graphcp.models.config import ModelConfig
 from graphcp.models.rope import rope_tables
 
@@ -41,7 +41,7 @@ class RotaryEmbedding(nn.Module):
         self.config = cfg
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
-        self._last: tuple | None = None      # (positions, cos, sin) of the current forward
+        self._last: tuple | None = None      # (positions, cos, sin, rotated sin) of this forward
 
     def build(self, device: torch.device) -> None:
         # Built on the CPU after loading (the module itself may be constructed on the meta device).
@@ -53,12 +53,23 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, D] at ``positions``; every layer of a forward passes the same positions
         tensor, so they are gathered once and reused."""
+        return self._tables(positions, dtype)[:2]
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         cached = self._last
         if cached is None or cached[0] is not positions or cached[1].dtype != dtype:
             cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
             sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
-            cached = self._last = (positions, cos, sin)
-        return cached[1], cached[2]
+            cached = self._last = (positions, cos, sin, None)
+        return cached[1:]
+
+    def _torch_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """(cos, sin, rotated sin): the torch form's tables, the last made once per forward."""
+        cos, sin, rot_sin = self._tables(positions, dtype)
+        if rot_sin is None:
+            rot_sin = rotated_sin(sin)
+            self._last = (positions, cos, sin, rot_sin)
+        return cos, sin, rot_sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.tables(positions, q.dtype)
@@ -66,7 +77,8 @@ class RotaryEmbedding(nn.Module):
         if fn is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             cos2, sin2 = cos.squeeze(1), sin.squeeze(1)
             return fn(q, cos2, sin2), fn(k, cos2, sin2)
-        return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+        cos, sin, rot_sin = self._torch_tables(positions, q.dtype)
+        return rope_torch(q, cos, sin, rot_sin=rot_sin), rope_torch(k, cos, sin, rot_sin=rot_sin)
 
     def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """RoPE on [T, H, D] in one pass: q's and k's heads side by side (each head alone, so the
@@ -75,4 +87,5 @@ class RotaryEmbedding(nn.Module):
         fn = chosen("rope") if heads.is_cuda else None
         if fn is not None and heads.stride(-1) == 1:
             return fn(heads, cos.squeeze(1), sin.squeeze(1))
-        return rope_torch(heads, cos, sin, head_major=True)
+        cos, sin, rot_sin = self._torch_tables(positions, heads.dtype)
+        return rope_torch(heads, cos, sin, head_major=True, rot_sin=rot_sin)
