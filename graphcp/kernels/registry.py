@@ -20,7 +20,6 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import register_dataclass
 
-from graphcp.errors import ConfigError
 
 log = logging.getLogger("graphcp")
 Kernel = Callable[..., torch.Tensor]
