@@ -154,40 +154,43 @@ class ZigzagStrategy(ContextParallelStrategy):
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:
         """Rank r holds 2 * (n // 2C) tokens of each request, plus one more for each of its blocks
         (r and 2C-1-r) that the remainder n % 2C reaches: counted once per remainder, not per request."""
-        c2 = 2 * self.cp_size
-        rems = [n % c2 for n in extend_lens]
-        base = 2 * ((sum(extend_lens) - sum(rems)) // c2)      # 2 * sum(n // 2C)
-        reach = [0] * (c2 + 1)             # reach[b]: requests whose remainder covers block b
-        for r in rems:
-            reach[r] += 1
-        for b in range(c2 - 1, -1, -1):
-            reach[b] += reach[b + 1]
-        return [base + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
+        return self._counts(self._reach(extend_lens))
+
+    def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
+        return self._maxima(extend_lens, prefix_lens, rank, self._reach(extend_lens))
 
     def counts_and_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int
                           ) -> tuple[list[int], HostMaxima]:
         """Both from one pass over the remainders (every batch on the serving path)."""
         if type(self).per_rank_tokens is not ZigzagStrategy.per_rank_tokens:    # adaptive placement
             return super().counts_and_maxima(extend_lens, prefix_lens, rank)
-        c2, rank = 2 * self.cp_size, rank % self.cp_size
+        counted = self._reach(extend_lens)
+        return self._counts(counted), self._maxima(extend_lens, prefix_lens, rank, counted)
+
+    def _reach(self, extend_lens: list[int]) -> tuple[int, list[int]]:
+        """(sum of n // 2C, reach): reach[b] counts the requests whose remainder n % 2C covers block b."""
+        c2 = 2 * self.cp_size
         rems = [n % c2 for n in extend_lens]
-        blocks = (sum(extend_lens) - sum(rems)) // c2          # sum(n // 2C)
-        reach = [0] * (c2 + 1)             # reach[b]: requests whose remainder covers block b
+        reach = [0] * (c2 + 1)
         for r in rems:
             reach[r] += 1
         for b in range(c2 - 1, -1, -1):
             reach[b] += reach[b + 1]
-        counts = [2 * blocks + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
-        longest = max(extend_lens)
-        max_kv = max(map(int.__add__, prefix_lens, extend_lens)) if any(prefix_lens) else longest
-        return counts, HostMaxima(-(-longest // c2), max_kv, blocks + reach[rank + 1])
+        return (sum(extend_lens) - sum(rems)) // c2, reach
 
-    def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
-        c2, rank = 2 * self.cp_size, rank % self.cp_size     # an unsharded batch runs as rank 0 of 1
+    def _counts(self, counted: tuple[int, list[int]]) -> list[int]:
+        blocks, reach = counted
+        c2 = 2 * self.cp_size
+        return [2 * blocks + reach[r + 1] + reach[c2 - r] for r in range(self.cp_size)]
+
+    def _maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int,
+                counted: tuple[int, list[int]]) -> HostMaxima:
+        """Early block r holds n // 2C + (r < n % 2C) tokens of each request (an unsharded batch runs
+        as rank 0 of 1)."""
+        blocks, reach = counted
         host = super().host_maxima(extend_lens, prefix_lens, rank)
-        host.max_q = -(-max(extend_lens, default=0) // c2)
-        rems = [n % c2 for n in extend_lens]      # early block r: n // 2C + (r < n % 2C) tokens
-        host.early_rows = (sum(extend_lens) - sum(rems)) // c2 + sum([r > rank for r in rems])
+        host.max_q = -(-max(extend_lens, default=0) // (2 * self.cp_size))
+        host.early_rows = blocks + reach[rank % self.cp_size + 1]
         return host
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from operator import neg
-
 import numpy as np
 
 from graphcp.errors import RequestError
@@ -81,8 +79,8 @@ class PageTable:
         ps, limit = self.page_size, self.max_context
         states = list(map(self.requests.get, rids))
         if states.count(None) == len(states) and max(extend_lens, default=0) <= limit:
-            # Fresh requests, the common prefill: no prefixes, ceil(n / ps) pages each (C-level maps).
-            prefix, need = [0] * len(rids), -sum(map(ps.__rfloordiv__, map(neg, extend_lens)))
+            # Fresh requests, the common prefill: no prefixes, ceil(n / ps) pages each.
+            prefix, need = [0] * len(rids), sum([-(-n // ps) for n in extend_lens])
         else:
             prefix, need = self._check_each(rids, extend_lens, states)
         if need > self._top:
