@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import cp_kwargs
 from graphcp.cp.metadata import interleave_metadata, zigzag_metadata
+from graphcp.cp.strategy import make_strategy
 from graphcp.kernels import torch_sdpa
 from graphcp.kernels.registry import kernel_fn
 from graphcp.kernels.torch_ref import torch_paged_attention
@@ -76,7 +77,8 @@ def test_cp_layouts_match_reference(seed, strategy, cp, group, page_size, extend
     prefix_t = torch.tensor(prefix[: len(extend)]) * (extend_t > 0)
     kv = (extend_t + prefix_t).tolist()
     table, *pools = _pools(gen, kv, len(kv), page_size, HQ // group)
-    local_cap = -(-int(extend_t.sum()) // cp) + 1 + pad
+    # the fullest rank's rows (zigzag's remainders can put several more on one rank), one padding row
+    local_cap = max(make_strategy(strategy, cp).per_rank_tokens(extend_t.tolist())) + 1 + pad
     make = zigzag_metadata if strategy == "zigzag" else interleave_metadata
     for rank in range(cp):
         meta = make(extend_t, prefix_t, table, cp, rank, local_cap, page_size)
@@ -151,19 +153,23 @@ def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
     assert groups[0].slots == slice(page_size, page_size + extend + prefix)
 
 
-@pytest.mark.parametrize("consecutive", [False, True])
-def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, consecutive):
+@pytest.mark.parametrize("consecutive,view_kv,extend",
+                         [(False, 2048, 96), (True, 2048, 96), (True, 0, 96), (True, 2048, 90)])
+def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, consecutive, view_kv, extend):
     """Two equal requests at CP 1: rows hold both early blocks, then both late blocks; each
     request's two blocks join (rows apart) and the two requests share one causal call. Their K/V
-    are gathered from shuffled pages, or read as one slice from pages allocated in order."""
+    are gathered from shuffled pages, or read as one slice from pages allocated in order (in place
+    up to ``_VIEW_KV`` keys, copied head-major past it), but gathered where the first request's
+    last page is partly filled (90 keys on pages of 16): its slots and the next one's are apart."""
+    monkeypatch.setattr(torch_sdpa, "_VIEW_KV", view_kv)
     gen = torch.Generator().manual_seed(5)
-    extend, page_size = 96, 16
+    page_size, half = 16, extend // 2
     table, *pools = _pools(gen, [extend, extend], 2, page_size, 2)
     if consecutive:
         table = torch.arange(1, 1 + table.numel()).view(table.shape)
     meta = zigzag_metadata(torch.tensor([extend, extend]), torch.tensor([0, 0]), table, 1, 0,
                            2 * extend + 2, page_size)
-    assert meta.cu_seqlens_q.tolist() == [0, 48, 96, 144, 192]
+    assert meta.cu_seqlens_q.tolist() == [0, half, 2 * half, 3 * half, 4 * half]
     calls, flash = [], torch_sdpa._flash
     monkeypatch.setattr(torch_sdpa, "_flash",
                         lambda *a, **k: calls.append(tuple(a[0].shape)) or flash(*a, **k))
@@ -171,7 +177,8 @@ def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, consec
     _check(q, pools, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
     assert calls == [(2, HQ, extend, D)]
     _, _, groups = torch_sdpa._plan(meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
-    assert isinstance(groups[0].slots, slice) == consecutive and groups[0].seqs == 2
+    sliced = consecutive and extend % page_size == 0
+    assert isinstance(groups[0].slots, slice) == sliced and groups[0].seqs == 2
 
 
 @pytest.mark.parametrize("stride", [2, 4])

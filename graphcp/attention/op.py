@@ -76,7 +76,7 @@ class PagedAttention:
         if meta.cp_size > 1:
             gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))           # [C * B, 2, Hkv, D]
             k, v = gathered[:, 0], gathered[:, 1]
-        pool.write_kv(layer_id, meta.gather_slots, k, v)
+        pool.write_kv(layer_id, meta.gather_slots, k, v, meta.gather_runs)
         page_rows = pool.map_pages(layer_id, meta.page_rows)      # LayerSplit scratch pages
         args = KernelArgs(q, pool.part(layer_id, "k"), pool.part(layer_id, "v"), meta.cu_seqlens_q, page_rows,
                           meta.q_limits, q.new_empty(q.shape), pool.page_size, self.scale)

@@ -14,6 +14,9 @@ import torch
 from graphcp.cp.metadata import CPMetadata
 from graphcp.kv.cache import DUMMY_SLOT
 
+# Past this many runs of consecutive slots the cache write indexes the slots instead.
+_MAX_RUNS = 16
+
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.dtype == torch.int64 else t.long().numpy()
@@ -35,7 +38,22 @@ def _search_rows(bounds: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return found.reshape(rows.shape) - np.arange(n, dtype=np.int64)[:, None] * width
 
 
+def _runs(slots: np.ndarray, valid: np.ndarray) -> tuple[tuple[int, int, int], ...] | None:
+    """(row, slot, count) of each run where both the valid rows and their slots step by one."""
+    rows = np.flatnonzero(valid)
+    if rows.size == 0:
+        return ()
+    picked = slots[rows]
+    cuts = np.flatnonzero((np.diff(rows) != 1) | (np.diff(picked) != 1)) + 1
+    if cuts.size >= _MAX_RUNS:
+        return None
+    starts = np.concatenate(([0], cuts))
+    counts = np.diff(np.concatenate((starts, [rows.size])))
+    return tuple(zip(rows[starts].tolist(), picked[starts].tolist(), counts.tolist()))
+
+
 def _meta(**fields: np.ndarray | int) -> CPMetadata:
+    fields["gather_runs"] = _runs(fields["gather_slots"], fields["gather_token_index"] >= 0)
     return CPMetadata(**{k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
                          if isinstance(v, np.ndarray) else v for k, v in fields.items()})
 
@@ -43,7 +61,9 @@ def _meta(**fields: np.ndarray | int) -> CPMetadata:
 def zigzag_metadata_host(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
                          cp_size: int, rank: int, local_cap: int, page_size: int,
                          whole_on: torch.Tensor | None = None) -> CPMetadata:
-    """``zigzag_metadata`` on the host (same arguments, same result)."""
+    """``zigzag_metadata`` on the host (same arguments, same result). Each rank's rows are pieces:
+    its 2R sequences in order, then its padding; a row's value is its piece's first value plus the
+    row's place in it, so every [C, local_cap] field is one repeat over the pieces (no searches)."""
     ext, pre, table = _np(extend_lens), _np(prefix_lens), _np(page_table)
     C, R, nblk = cp_size, ext.shape[0], 2 * cp_size
     blk_id = np.arange(nblk)
@@ -52,26 +72,33 @@ def zigzag_metadata_host(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, p
         won = _np(whole_on)
         blk = np.where((won > 0)[:, None], ext[:, None] * (blk_id[None, :] == (won - 1)[:, None]), blk)
     blk_end = np.cumsum(blk, 1)
-    blk_start = blk_end - blk
-    early, late = np.arange(C), nblk - 1 - np.arange(C)
-    seq_q = np.concatenate([blk[:, early], blk[:, late]])                               # [2R, C]
-    seq_start = np.concatenate([blk_start[:, early], blk_start[:, late]])
-    seq_kv = np.concatenate([blk_end[:, early], blk_end[:, late]]) + np.tile(pre, 2)[:, None]
+    # [C, 2R]: rank r's sequences are block r of every request, then block 2C-1-r of every request
+    ranks_blocks = np.concatenate([blk_id[:C, None], blk_id[::-1][:C, None]], 1)      # [C, 2]
+    seq_q = blk.T[ranks_blocks].reshape(C, 2 * R)
+    seq_end = blk_end.T[ranks_blocks].reshape(C, 2 * R)
     seq_req = np.tile(np.arange(R), 2)
-    cu = np.concatenate([np.zeros((1, C), np.int64), np.cumsum(seq_q, 0)]).T            # [C, 2R + 1]
-    rows = np.broadcast_to(np.arange(local_cap), (C, local_cap))
-    seq = np.minimum(_search_rows(cu[:, 1:], rows), 2 * R - 1)
-    valid = rows < cu[:, -1:]
-    offset = rows - np.take_along_axis(cu, seq, 1)
-    req = seq_req[seq]
-    new_idx = (np.take_along_axis(seq_start.T, seq, 1) + offset) * valid
-    position = pre[req] * valid + new_idx
+    # pieces [C, 2R + 1]: the sequences, then the padding, whose rows read as request R - 1's
+    lens = np.concatenate([seq_q, local_cap - seq_q.sum(1, keepdims=True)], 1)
+    first_row = (np.cumsum(lens) - lens.ravel()).reshape(lens.shape)
+    first_new = np.concatenate([seq_end - seq_q, np.zeros((C, 1), np.int64)], 1)
+    req_p = np.append(seq_req, R - 1)
+    real = np.ones(2 * R + 1, bool)
+    real[-1] = False
+    tok_base = np.append((np.cumsum(ext) - ext)[seq_req], 0)[None, :] + first_new - first_row
+    pos_base = np.append(pre[seq_req], 0)[None, :] + first_new - first_row
+    flat_lens, rows = lens.ravel(), np.arange(C * local_cap)
+    valid = np.repeat(np.tile(real, C), flat_lens)
+    req = np.repeat(np.tile(req_p, C), flat_lens)
+    position = (np.repeat(pos_base.ravel(), flat_lens) + rows) * valid
+    token_index = (np.repeat(tok_base.ravel(), flat_lens) + rows) * valid
     slot = _slots(table, req, position, valid, page_size)
-    token_index = (np.cumsum(ext) - ext)[req] + new_idx
-    token_index *= valid
-    my_q, my_kv, my_seq = seq_q[:, rank], seq_kv[:, rank], seq[rank]
-    q_limits = (my_kv[my_seq] - my_q[my_seq] + offset[rank] + 1) * valid[rank]
-    cu_r = cu[rank]
+    mine = slice(rank * local_cap, (rank + 1) * local_cap)
+    my_q, my_lens = seq_q[rank], lens[rank]
+    my_kv = seq_end[rank] + pre[seq_req]
+    # query j of a sequence sees its kv_len - q_len + j + 1 keys (bottom-right causal)
+    limit_base = np.append(my_kv - my_q, 0) - (first_row[rank] - first_row[rank, 0]) + 1
+    q_limits = (np.repeat(limit_base, my_lens) + rows[:local_cap]) * valid[mine]
+    cu_r = np.concatenate([[0], np.cumsum(my_q)])
     last_late, last_early = cu_r[R + 1:] - 1, cu_r[1:R + 1] - 1
     logit_rows = np.maximum(np.where(blk[:, nblk - 1] > 0, last_late, last_early), 0)
     owner = (ext > 0) if rank == 0 else np.zeros(R, np.int64)
@@ -80,11 +107,11 @@ def zigzag_metadata_host(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, p
         owner = (ext > 0) & (last_rank == rank)
         logit_rows = np.where(won > 0, np.maximum(last_early, 0), logit_rows) * owner
     return _meta(
-        cp_size=C, local_cap=local_cap, token_index=token_index[rank], positions=position[rank],
-        valid=valid[rank], gather_slots=slot.ravel(), cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
+        cp_size=C, local_cap=local_cap, token_index=token_index[mine], positions=position[mine],
+        valid=valid[mine], gather_slots=slot, cu_seqlens_q=cu_r, q_lens=my_q, kv_lens=my_kv,
         page_rows=np.tile(table, (2, 1)), q_limits=q_limits, logit_rows=logit_rows, logit_owner=owner,
-        gather_token_index=np.where(valid, token_index, -1).ravel(), gather_positions=position.ravel(),
-        gather_requests=req.ravel(), block_lens=blk, early_sequences=R)
+        gather_token_index=np.where(valid, token_index, -1), gather_positions=position,
+        gather_requests=req, block_lens=blk, early_sequences=R)
 
 
 def interleave_metadata_host(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,

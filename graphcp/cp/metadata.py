@@ -37,6 +37,9 @@ class CPMetadata:
     early_sequences: int = 0     # zigzag: the first R sequences are the early blocks (0: no early/late split)
     state_in: torch.Tensor | None = None    # [R] per-request state slot each request reads (0: none)
     state_out: torch.Tensor | None = None   # [R] per-request state slot it writes (kv/states.py)
+    # Host forms only: (gathered row, slot, count) of each run of consecutive slots over the real
+    # gathered rows, so the cache write is a few slice copies; None: no runs known (index the slots).
+    gather_runs: tuple[tuple[int, int, int], ...] | None = None
 
     def to(self, device: torch.device, *extra: torch.Tensor) -> tuple["CPMetadata", list[torch.Tensor]]:
         """Every field (and ``extra`` int64 tensors) moved in one host-to-device copy: an eager forward on
