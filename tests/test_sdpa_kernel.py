@@ -153,20 +153,26 @@ def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
     assert groups[0].slots == slice(page_size, page_size + extend + prefix)
 
 
-@pytest.mark.parametrize("consecutive,view_kv,extend",
-                         [(False, 2048, 96), (True, 2048, 96), (True, 0, 96), (True, 2048, 90)])
-def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, consecutive, view_kv, extend):
+@pytest.mark.parametrize("pages,view_kv,extend,read", [
+    ("shuffled", 2048, 96, "indexed"), ("in order", 2048, 96, "one slice"),
+    ("in order", 0, 96, "one slice"), ("in order", 2048, 90, "a slice each"),
+    ("rows swapped", 2048, 96, "a slice each")])
+def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, pages, view_kv, extend,
+                                                             read):
     """Two equal requests at CP 1: rows hold both early blocks, then both late blocks; each
     request's two blocks join (rows apart) and the two requests share one causal call. Their K/V
-    are gathered from shuffled pages, or read as one slice from pages allocated in order (in place
-    up to ``_VIEW_KV`` keys, copied head-major past it), but gathered where the first request's
-    last page is partly filled (90 keys on pages of 16): its slots and the next one's are apart."""
+    are gathered from shuffled pages; read as one slice from pages allocated in order (in place
+    up to ``_VIEW_KV`` keys, copied head-major past it); and as a slice per request where only
+    each request's pages are in order, or where the first request's last page is partly filled
+    (90 keys on pages of 16), which puts its slots and the next one's apart."""
     monkeypatch.setattr(torch_sdpa, "_VIEW_KV", view_kv)
     gen = torch.Generator().manual_seed(5)
     page_size, half = 16, extend // 2
     table, *pools = _pools(gen, [extend, extend], 2, page_size, 2)
-    if consecutive:
+    if pages != "shuffled":
         table = torch.arange(1, 1 + table.numel()).view(table.shape)
+    if pages == "rows swapped":
+        table = table.flip(0)
     meta = zigzag_metadata(torch.tensor([extend, extend]), torch.tensor([0, 0]), table, 1, 0,
                            2 * extend + 2, page_size)
     assert meta.cu_seqlens_q.tolist() == [0, half, 2 * half, 3 * half, 4 * half]
@@ -177,8 +183,10 @@ def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, consec
     _check(q, pools, meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
     assert calls == [(2, HQ, extend, D)]
     _, _, groups = torch_sdpa._plan(meta.cu_seqlens_q, meta.page_rows, meta.q_limits, page_size)
-    sliced = consecutive and extend % page_size == 0
-    assert isinstance(groups[0].slots, slice) == sliced and groups[0].seqs == 2
+    slots = groups[0].slots
+    form = ("one slice" if isinstance(slots, slice) else
+            "a slice each" if isinstance(slots, list) else "indexed")
+    assert form == read and groups[0].seqs == 2
 
 
 @pytest.mark.parametrize("stride", [2, 4])

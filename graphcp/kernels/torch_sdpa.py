@@ -53,9 +53,10 @@ class _Block:
 class _Group:
     """Sequences of one shape: query rows [G, q_len] and KV slots [G, kv_len], each a slice where
     they are consecutive (one request on consecutive pages; requests side by side at CP 1), read
-    once per layer and shared by the group's blocks."""
-    rows: torch.Tensor | slice
-    slots: torch.Tensor | slice
+    once per layer and shared by the group's blocks. Else rows are the sequences' row ranges in
+    order, and slots one slice per sequence on consecutive pages, or indices [G, kv_len]."""
+    rows: list[tuple[int, int]] | slice
+    slots: torch.Tensor | list[slice] | slice
     blocks: list[_Block]
     seqs: int = 1             # G
 
@@ -103,7 +104,7 @@ def _plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.T
     for seq, pieces, _, last in runs:
         shapes.setdefault((sum(b - a for a, b in pieces), last), []).append((seq, pieces))
     for (q_len, kv_len), members in shapes.items():
-        rows = _rows([piece for _, pieces in members for piece in pieces], len(members))
+        rows = _rows([piece for _, pieces in members for piece in pieces])
         block = _Block(0, q_len, kv_len - q_len, kv_len, None)
         seqs = [seq for seq, _ in members]
         groups.append(_Group(rows, _slots(rows_np[seqs], kv_len, page_size), [block], len(seqs)))
@@ -128,33 +129,38 @@ def _strided_group(seq: int, start: int, end: int, limits: torch.Tensor, page_ro
     return _Group(slice(start, end), _slots(page_rows[[seq]], lasts[-1], page_size), blocks)
 
 
-def _rows(pieces: list[tuple[int, int]], seqs: int) -> torch.Tensor | slice:
-    """Query rows [G, q_len] of a group from its sequences' row ranges, in order; a slice where
-    each range starts where the one before ends."""
+def _rows(pieces: list[tuple[int, int]]) -> list[tuple[int, int]] | slice:
+    """A group's row ranges, or one slice where each starts where the one before ends."""
     if all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])):
         return slice(pieces[0][0], pieces[-1][1])
-    return torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in pieces]).reshape(seqs, -1))
+    return pieces
 
 
-def _slots(page_rows: np.ndarray, kv_len: int, page_size: int) -> torch.Tensor | slice:
+def _slots(page_rows: np.ndarray, kv_len: int, page_size: int) -> torch.Tensor | list[slice] | slice:
     """KV slots [G, kv_len]; a slice where they are consecutive (read as a view): the sequences'
-    pages follow one another, and each sequence but the last fills its pages."""
+    pages follow one another, and each sequence but the last fills its pages; a slice per sequence
+    where each one's pages are consecutive."""
     pages = page_rows[:, :-(-kv_len // page_size)]
-    first = int(pages[0, 0])
-    if (page_rows.shape[0] == 1 or kv_len % page_size == 0) and np.array_equal(
-            pages.reshape(-1), np.arange(first, first + pages.size)):
-        return slice(first * page_size, first * page_size + page_rows.shape[0] * kv_len)
+    firsts = pages[:, 0].tolist()
+    if np.array_equal(pages - pages[:, :1], np.broadcast_to(np.arange(pages.shape[1]), pages.shape)):
+        slices = [slice(p * page_size, p * page_size + kv_len) for p in firsts]
+        if len(slices) == 1 or (kv_len % page_size == 0 and all(
+                a.stop == b.start for a, b in zip(slices, slices[1:]))):
+            return slice(slices[0].start, slices[-1].stop)
+        return slices
     key_pos = np.arange(kv_len)
     return torch.from_numpy(page_rows[:, key_pos // page_size] * page_size + key_pos % page_size)
 
 
-def _read(pool: torch.Tensor, slots: torch.Tensor | slice, seqs: int) -> torch.Tensor:
+def _read(pool: torch.Tensor, slots: torch.Tensor | list[slice] | slice, seqs: int) -> torch.Tensor:
     """[G, H, kv_len, D] keys or values of a group, copied head-major: the flash kernel reads that
     layout 3-6% faster than the pool's [slots, H, D] (measured at 4-16K keys), far more than the
     copy costs; short consecutive groups are read in place."""
     if isinstance(slots, slice):
         rows = pool[slots].unflatten(0, (seqs, -1)).transpose(1, 2)
         return rows if rows.shape[2] <= _VIEW_KV else rows.contiguous()
+    if isinstance(slots, list):                     # one copy from the sequences' slices
+        return torch.stack([pool[s].transpose(0, 1) for s in slots])
     # Gathered head by head by advanced indexing: one copy of the group's rows, each (sequence,
     # head) a contiguous [kv_len, D] block. (index_select on the transposed pool would first copy
     # the whole pool contiguous: 5 ms at 40K slots.)
@@ -187,11 +193,16 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
                 o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)
                 og[:, rows] = o.transpose(1, 2)
             continue
-        # Several sequences (or one in pieces), causal: one block; rows gathered and put back.
-        rows = group.rows.reshape(-1)
-        qg = q.index_select(0, rows).view(*group.rows.shape, *q.shape[1:])  # [G, q_len, Hq, D]
-        o = _attend_block(qg.transpose(1, 2), k, v, group.blocks[0], scale)  # [G, Hq, q_len, D]
-        out.index_copy_(0, rows, o.transpose(1, 2).reshape(rows.shape[0], *q.shape[1:]))
+        # Several sequences (or one in pieces), causal: one block; rows gathered (copies of the
+        # row ranges: faster than indexing them) and put back range by range.
+        block = group.blocks[0]
+        qg = torch.cat([q[a:b] for a, b in group.rows]).view(group.seqs, block.row_end, *q.shape[1:])
+        o = _attend_block(qg.transpose(1, 2), k, v, block, scale).transpose(1, 2)  # [G, q_len, ...]
+        done = 0
+        for a, b in group.rows:
+            seq, row = divmod(done, block.row_end)
+            out[a:b] = o[seq, row:row + b - a]
+            done += b - a
     return out
 
 
