@@ -153,19 +153,16 @@ def test_cp1_zigzag_blocks_join_into_one_causal_call(monkeypatch, prefix):
     assert groups[0].slots == slice(page_size, page_size + extend + prefix)
 
 
-@pytest.mark.parametrize("pages,view_kv,extend,read", [
-    ("shuffled", 2048, 96, "indexed"), ("in order", 2048, 96, "one slice"),
-    ("in order", 0, 96, "one slice"), ("in order", 2048, 90, "a slice each"),
-    ("rows swapped", 2048, 96, "a slice each")])
-def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, pages, view_kv, extend,
-                                                             read):
+@pytest.mark.parametrize("pages,extend,read", [
+    ("shuffled", 96, "indexed"), ("in order", 96, "one slice"), ("in order", 90, "a slice each"),
+    ("rows swapped", 96, "a slice each")])
+def test_cp1_requests_join_across_rows_into_one_batched_call(monkeypatch, pages, extend, read):
     """Two equal requests at CP 1: rows hold both early blocks, then both late blocks; each
     request's two blocks join (rows apart) and the two requests share one causal call. Their K/V
-    are gathered from shuffled pages; read as one slice from pages allocated in order (in place
-    up to ``_VIEW_KV`` keys, copied head-major past it); and as a slice per request where only
-    each request's pages are in order, or where the first request's last page is partly filled
-    (90 keys on pages of 16), which puts its slots and the next one's apart."""
-    monkeypatch.setattr(torch_sdpa, "_VIEW_KV", view_kv)
+    are gathered from shuffled pages; read in place as one slice from pages allocated in order;
+    and as a slice per request where only each request's pages are in order, or where the first
+    request's last page is partly filled (90 keys on pages of 16), which puts its slots and the
+    next one's apart."""
     gen = torch.Generator().manual_seed(5)
     page_size, half = 16, extend // 2
     table, *pools = _pools(gen, [extend, extend], 2, page_size, 2)
