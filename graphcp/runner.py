@@ -19,6 +19,7 @@ from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, resolve_dtype
 from graphcp.cp.adaptive import adaptive_strategy
+from graphcp.cp.metadata import last_tokens
 from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 from graphcp.dist.comm import recv, send
@@ -61,6 +62,11 @@ class ModelRunner:
             probe_experts(self.model)
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)
+        # Only the logit rows of the last layer's output are read: it runs for them alone. Every rank
+        # of a layer communicator then brings the same number of rows (one per request of the one
+        # batch); DP groups' batches differ, and expert parallelism routes rows of its own.
+        self.prune_last_layer = (par.last_stage and args.dp_size == 1 and par.moe_comm is None
+                                 and self.model.prunes_last_layer())
         write = chosen("kv_write") if self.device.type == "cuda" else None
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
                           cfg.sliding_window, write, announce=rank == 0,
@@ -128,23 +134,30 @@ class ModelRunner:
             local_ids = desc.input_ids.index_select(0, meta.token_index)
             if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy
                 meta, (local_ids,) = meta.to(self.device, local_ids)
-        ops = self.attention.ops(self.pool, meta, par.comm, plan.host)
+        # The last layer attends and runs its FFN for the logit rows only (its K/V are all cached).
+        rows = meta.logit_rows if self.prune_last_layer else None
+        last = last_tokens(desc.extend_lens, desc.prefix_lens, meta) if rows is not None else None
+        ops = self.attention.ops(self.pool, meta, par.comm, plan.host, last)
         with forward_context(ops, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:
-                hidden, columns = self.model(local_ids, meta.positions, capture_layers=aux.here)
+                hidden, columns = self.model(local_ids, meta.positions, capture_layers=aux.here,
+                                             output_rows=rows)
                 received = {}
             else:   # pipeline: CP-local hidden states (and aux columns) from the previous stage
                 message = torch.empty(plan.local_cap, aux.recv_width, dtype=self.dtype, device=self.device)
                 recv(message, src=self.rank - self.args.tp_size)
                 hidden, received = aux.unpack(message)
-                hidden, columns = self.model(None, meta.positions, hidden=hidden, capture_layers=aux.here)
+                hidden, columns = self.model(None, meta.positions, hidden=hidden, capture_layers=aux.here,
+                                             output_rows=rows)
         columns = {**received, **dict(zip(aux.here, columns))}
         if not par.last_stage:
             send(aux.pack(hidden, columns), dst=self.rank + self.args.tp_size)
             return None
         if aux.layers:
             gather_rows(batch.aux_out, aux.local(columns), meta, par.comm)
-        rows = strategy.reduce_last_rows(hidden.index_select(0, meta.logit_rows), meta, par.comm)
+        if rows is None:
+            hidden = hidden.index_select(0, meta.logit_rows)
+        rows = strategy.reduce_last_rows(hidden, meta, par.comm)
         return self.model.compute_logits(rows)
 
     def _time_forward(self, extend_lens: list[int]) -> float:

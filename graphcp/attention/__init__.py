@@ -12,7 +12,7 @@ import torch
 from graphcp.attention.context import AttentionContext, AttentionKernels
 from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds, state_parts
 from graphcp.config import EngineArgs
-from graphcp.cp.metadata import CPMetadata
+from graphcp.cp.metadata import CPMetadata, LastTokens
 from graphcp.cp.plan import HostMaxima
 from graphcp.dist.comm import CPComm
 from graphcp.kernels.registry import KERNELS
@@ -65,8 +65,9 @@ class AttentionBackend:
         """Per-request parts of the layers whose kind keeps state (none for attention only)."""
         return state_parts(self.cfg, range(min(self.kinds), max(self.kinds) + 1), self.attn_tp)
 
-    def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima) -> LayerOps:
-        return LayerOps(self.kinds, AttentionContext(self.cfg, pool, meta, comm, host, self.kernels))
+    def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima,
+            last: LastTokens | None = None) -> LayerOps:
+        return LayerOps(self.kinds, AttentionContext(self.cfg, pool, meta, comm, host, self.kernels, last))
 
     def export(self, layer: int, rows: tuple[torch.Tensor, ...]) -> tuple:
         """One layer's cached rows (per part, [n, *row]; then its per-request parts) as

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from graphcp.cp.metadata import CPMetadata
+from graphcp.cp.metadata import CPMetadata, LastTokens
 from graphcp.cp.plan import HostMaxima
 from graphcp.dist.comm import CPComm
 from graphcp.kernels.registry import KernelSpec
@@ -30,6 +30,7 @@ class AttentionContext:
     comm: CPComm | None
     host: HostMaxima
     kernels: AttentionKernels
+    last: LastTokens | None = None   # the last layer attends for each request's last token only
 
     def all_gather(self, rows):  # noqa: ANN001, ANN201 - a tensor in, the CP group's rows out
         """``rows`` of every CP rank, rank-major (one collective; the rows themselves at CP 1)."""

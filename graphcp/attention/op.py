@@ -69,20 +69,28 @@ class PagedAttention:
         self.scale = ctx.cfg.head_dim ** -0.5
         self.capturable = self.kernel.capturable(self.pool.device) and not split
 
-    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]."""
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]; with
+        ``rows`` (each request's last-token row, ``ctx.last``) the K/V of every token are cached but
+        only those rows attend: [R, Hq, D]."""
         meta, pool = self.meta, self.pool
         pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
         if meta.cp_size > 1:
             gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))           # [C * B, 2, Hkv, D]
             k, v = gathered[:, 0], gathered[:, 1]
         pool.write_kv(layer_id, meta.gather_slots, k, v, meta.gather_runs)
-        page_rows = pool.map_pages(layer_id, meta.page_rows)      # LayerSplit scratch pages
-        args = KernelArgs(q, pool.part(layer_id, "k"), pool.part(layer_id, "v"), meta.cu_seqlens_q, page_rows,
-                          meta.q_limits, q.new_empty(q.shape), pool.page_size, self.scale)
+        cu, page_rows, limits, split = meta.cu_seqlens_q, meta.page_rows, meta.q_limits, self.early_sequences
+        if rows is not None:
+            last = self.ctx.last
+            q, cu, page_rows, limits, split = q.index_select(0, rows), last.cu_seqlens_q, last.page_rows, \
+                last.q_limits, 0
+        page_rows = pool.map_pages(layer_id, page_rows)           # LayerSplit scratch pages
+        args = KernelArgs(q, pool.part(layer_id, "k"), pool.part(layer_id, "v"), cu, page_rows, limits,
+                          q.new_empty(q.shape), pool.page_size, self.scale)
         if self.capturable:
             return _attend(self.kernel, args, self.ctx.host, capturable=True)
-        return _attend_break(self.kernel, args, self.ctx.host, self.early_sequences)
+        return _attend_break(self.kernel, args, self.ctx.host, split)
 
 
 __all__ = ["PagedAttention"]

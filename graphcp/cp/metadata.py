@@ -55,6 +55,23 @@ class CPMetadata:
         return replace(self, **dict(zip(names, moved))), moved[len(names):]
 
 
+@dataclass(frozen=True)
+class LastTokens:
+    """Attention for one query per request (its last new token, at row ``logit_rows``): requests with
+    new tokens are one-row sequences over their whole context; padding requests are empty."""
+    cu_seqlens_q: torch.Tensor   # [R + 1]
+    page_rows: torch.Tensor      # [R, P]
+    q_limits: torch.Tensor       # [R] every key of the request's context
+
+
+def last_tokens(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, meta: CPMetadata) -> LastTokens:
+    """Tensor ops only (a graph captures them); the first R page rows of either layout are the
+    requests' rows."""
+    has = (extend_lens > 0).long()
+    cu = torch.nn.functional.pad(torch.cumsum(has, 0), (1, 0))
+    return LastTokens(cu, meta.page_rows[:extend_lens.shape[0]], (prefix_lens + extend_lens) * has)
+
+
 def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 

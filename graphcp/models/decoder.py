@@ -30,16 +30,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, positions: Any, delta: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: Any, delta: torch.Tensor, residual: torch.Tensor | None,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden state is ``residual + delta`` (just ``delta`` before the first layer); each residual
-        add happens inside the norm that follows it (one launch on CUDA). Returns (mlp output, residual)."""
+        add happens inside the norm that follows it (one launch on CUDA). Returns (mlp output, residual);
+        with ``rows`` (``keeps_rows`` layers), those rows' only."""
         if residual is None:
             residual, x = delta, self.input_layernorm(delta)
         else:
             x, residual = self.input_layernorm(delta, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        if rows is None:
+            x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        else:
+            x = self.self_attn(positions, x, rows=rows)
+            x, residual = self.post_attention_layernorm(x, residual.index_select(0, rows))
         return self.mlp(x), residual
+
+    @property
+    def keeps_rows(self) -> bool:
+        return getattr(self.self_attn, "keeps_rows", False) and getattr(self.mlp, "keeps_rows", False)
 
     def fuse(self) -> None:
         self.self_attn.fuse()
@@ -105,19 +114,32 @@ class DecoderLM(nn.Module):
         """The hidden state after the last layer, before the final norm."""
         return self.stream(state)
 
+    def prunes_last_layer(self) -> bool:
+        """Whether ``forward(output_rows=...)`` runs the model's last layer for those rows only: the
+        default layer and stream, with a mixer and FFN that keep rows. Every token's K/V is cached all
+        the same; only the last layer's attention output and FFN of the other tokens are skipped,
+        which nothing reads (llama.cpp skips them too)."""
+        if not self.is_last or type(self).enter is not DecoderLM.enter:
+            return False
+        last = self.model.layers[str(self.config.num_hidden_layers - 1)]
+        return type(last).forward is DecoderLayer.forward and last.keeps_rows
+
     # -- the shared forward ---------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, hidden: torch.Tensor | None = None,
-                capture_layers: Sequence[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, list]:
+                capture_layers: Sequence[int] | None = None, output_rows: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, list]:
         """Residual stream for this rank's tokens after this stage's layers, before the final norm. With
         ``capture_layers`` (ids of this stage's layers), also the residual stream entering each of them, in
-        that order (HF's ``hidden_states[i]``; speculative drafts read them)."""
+        that order (HF's ``hidden_states[i]``; speculative drafts read them). With ``output_rows``
+        (where ``prunes_last_layer``), the stream at those rows only."""
         first = self.model.embed_tokens(input_ids) if hidden is None else hidden
         inputs = self.layer_inputs(input_ids, positions, first.dtype)
         state, captured = self.enter(first), {}
+        last = str(self.config.num_hidden_layers - 1) if output_rows is not None else None
         for i, layer in self.model.layers.items():
             if capture_layers is not None and int(i) in capture_layers:
                 captured[int(i)] = self.stream(state)
-            state = layer(inputs, *state)
+            state = layer(inputs, *state) if i != last else layer(inputs, *state, rows=output_rows)
         out = self.leave(state)
         return out if capture_layers is None else (out, [captured[i] for i in capture_layers])
 

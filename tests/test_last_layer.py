@@ -1,0 +1,50 @@
+"""The last layer runs for each request's last token only (its K/V for every token): logits and
+caches still equal HF's, and the rows that reach its FFN are the requests', not the tokens'."""
+from __future__ import annotations
+
+import pytest
+
+from graphcp.models.decoder import DecoderLM
+from hf_reference import make_checkpoint
+from parity import Session, random_ids
+
+VOCAB = 211
+
+
+def _ffn_rows(engine) -> tuple[list[tuple[int, int]], list]:
+    """(layer, rows) entering each layer's FFN per eager forward (a CPU replay runs no Python hooks),
+    and the hooks' handles."""
+    model, seen = engine._runner.model, []
+    hooks = [layer.mlp.register_forward_pre_hook(
+        lambda _m, args, i=int(i): seen.append((i, args[0].shape[0])))
+        for i, layer in model.model.layers.items()]
+    return seen, hooks
+
+
+@pytest.mark.parametrize("lens", [[300], [37, 1, 150]])
+def test_last_layer_ffn_sees_one_row_per_request(checkpoint, engines, oracle, lens):
+    engine = engines.get(checkpoint, disable_cuda_graph=True)
+    assert engine._runner.prune_last_layer
+    seen, hooks = _ffn_rows(engine)
+    s = Session(engine, oracle, checkpoint)
+    try:
+        s.run([(f"r{i}", random_ids(n, VOCAB, 40 + i)) for i, n in enumerate(lens)])
+        ids = random_ids(50, VOCAB, 49)                   # and a cached prefix: chunked prefill
+        for chunk in (ids[:20], ids[20:]):
+            s.run([("chunked", chunk)])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = engine._runner.model.config.num_hidden_layers - 1
+    assert [rows for layer, rows in seen if layer == last] == [len(lens), 1, 1]
+    assert [rows for layer, rows in seen if layer != last] == [sum(lens), 20, 30]
+    s.release_all()
+
+
+def test_layers_that_cannot_keep_rows_run_whole(ckpt_dir, engines):
+    """A MoE last layer (experts route rows of their own) keeps every row; dense layers before it
+    are not the last, so nothing is skipped."""
+    path = make_checkpoint(str(ckpt_dir / "moe-last"), "qwen3_moe", seed=21, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32)
+    model = engines.get(path, disable_cuda_graph=True)._runner.model
+    assert not DecoderLM.prunes_last_layer(model)
