@@ -47,7 +47,7 @@ test: $(STAMP)
 FAST := tests/test_architecture.py tests/test_layout.py tests/test_planner.py tests/test_layer_split.py \
 	tests/test_rope.py tests/test_config_fields.py tests/test_config_fields_v4_hybrid.py \
 	tests/test_gpu_check.py tests/test_flashinfer_args.py \
-	tests/test_cuda_semantics.py tests/test_cpu_pool.py tests/test_host_metadata.py tests/test_rank_faults.py tests/test_parity_single.py \
+	tests/test_cuda_semantics.py tests/test_cpu_pool.py tests/test_host_metadata.py tests/test_rank_faults.py tests/test_parity_single.py tests/test_last_layer.py \
 	tests/test_errors.py \
 	tests/test_dsa.py::test_single_rank_matches_hf tests/test_moe.py::test_single_rank_matches_hf \
 	tests/test_mla.py::test_deepseek_v3_fp8_one_rank_in_graphs tests/test_deepseek_v4.py::test_chunked_batches_match_hf \
