@@ -62,9 +62,9 @@ class ModelRunner:
             probe_experts(self.model)
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)
-        # Only the logit rows of the last layer's output are read: it runs for them alone. Every rank
-        # of a layer communicator then brings the same number of rows (one per request of the one
-        # batch); DP groups' batches differ, and expert parallelism routes rows of its own.
+        # Only the logit rows of the last layer's output are read: it runs for them alone. Every
+        # rank of a layer communicator then brings the same number of rows (one per request of the
+        # one batch); DP groups' batches differ, and expert parallelism routes rows of its own.
         self.prune_last_layer = (par.last_stage and args.dp_size == 1 and par.moe_comm is None
                                  and self.model.prunes_last_layer())
         write = chosen("kv_write") if self.device.type == "cuda" else None
@@ -147,8 +147,8 @@ class ModelRunner:
                 message = torch.empty(plan.local_cap, aux.recv_width, dtype=self.dtype, device=self.device)
                 recv(message, src=self.rank - self.args.tp_size)
                 hidden, received = aux.unpack(message)
-                hidden, columns = self.model(None, meta.positions, hidden=hidden, capture_layers=aux.here,
-                                             output_rows=rows)
+                hidden, columns = self.model(None, meta.positions, hidden=hidden,
+                                             capture_layers=aux.here, output_rows=rows)
         columns = {**received, **dict(zip(aux.here, columns))}
         if not par.last_stage:
             send(aux.pack(hidden, columns), dst=self.rank + self.args.tp_size)

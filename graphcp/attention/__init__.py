@@ -67,7 +67,8 @@ class AttentionBackend:
 
     def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima,
             last: LastTokens | None = None) -> LayerOps:
-        return LayerOps(self.kinds, AttentionContext(self.cfg, pool, meta, comm, host, self.kernels, last))
+        ctx = AttentionContext(self.cfg, pool, meta, comm, host, self.kernels, last)
+        return LayerOps(self.kinds, ctx)
 
     def export(self, layer: int, rows: tuple[torch.Tensor, ...]) -> tuple:
         """One layer's cached rows (per part, [n, *row]; then its per-request parts) as

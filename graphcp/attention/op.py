@@ -80,14 +80,16 @@ class PagedAttention:
             gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))           # [C * B, 2, Hkv, D]
             k, v = gathered[:, 0], gathered[:, 1]
         pool.write_kv(layer_id, meta.gather_slots, k, v, meta.gather_runs)
-        cu, page_rows, limits, split = meta.cu_seqlens_q, meta.page_rows, meta.q_limits, self.early_sequences
+        queries, split = (meta.cu_seqlens_q, meta.page_rows, meta.q_limits), self.early_sequences
         if rows is not None:
             last = self.ctx.last
-            q, cu, page_rows, limits, split = q.index_select(0, rows), last.cu_seqlens_q, last.page_rows, \
-                last.q_limits, 0
+            q, split = q.index_select(0, rows), 0
+            queries = (last.cu_seqlens_q, last.page_rows, last.q_limits)
+        cu, page_rows, limits = queries
         page_rows = pool.map_pages(layer_id, page_rows)           # LayerSplit scratch pages
-        args = KernelArgs(q, pool.part(layer_id, "k"), pool.part(layer_id, "v"), cu, page_rows, limits,
-                          q.new_empty(q.shape), pool.page_size, self.scale)
+        k_part, v_part = pool.part(layer_id, "k"), pool.part(layer_id, "v")
+        args = KernelArgs(q, k_part, v_part, cu, page_rows, limits, q.new_empty(q.shape),
+                          pool.page_size, self.scale)
         if self.capturable:
             return _attend(self.kernel, args, self.ctx.host, capturable=True)
         return _attend_break(self.kernel, args, self.ctx.host, split)

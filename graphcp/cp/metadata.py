@@ -38,7 +38,7 @@ class CPMetadata:
     state_in: torch.Tensor | None = None    # [R] per-request state slot each request reads (0: none)
     state_out: torch.Tensor | None = None   # [R] per-request state slot it writes (kv/states.py)
     # Host forms only: (gathered row, slot, count) of each run of consecutive slots over the real
-    # gathered rows, so the cache write is a few slice copies; None: no runs known (index the slots).
+    # gathered rows, so the cache write is a few slice copies; None: unknown (index the slots).
     gather_runs: tuple[tuple[int, int, int], ...] | None = None
 
     def to(self, device: torch.device, *extra: torch.Tensor) -> tuple["CPMetadata", list[torch.Tensor]]:
@@ -57,14 +57,15 @@ class CPMetadata:
 
 @dataclass(frozen=True)
 class LastTokens:
-    """Attention for one query per request (its last new token, at row ``logit_rows``): requests with
-    new tokens are one-row sequences over their whole context; padding requests are empty."""
+    """Attention for one query per request (its last new token, at row ``logit_rows``): requests
+    with new tokens are one-row sequences over their whole context; padding requests are empty."""
     cu_seqlens_q: torch.Tensor   # [R + 1]
     page_rows: torch.Tensor      # [R, P]
     q_limits: torch.Tensor       # [R] every key of the request's context
 
 
-def last_tokens(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, meta: CPMetadata) -> LastTokens:
+def last_tokens(extend_lens: torch.Tensor, prefix_lens: torch.Tensor,
+                meta: CPMetadata) -> LastTokens:
     """Tensor ops only (a graph captures them); the first R page rows of either layout are the
     requests' rows."""
     has = (extend_lens > 0).long()

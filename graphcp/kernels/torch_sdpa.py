@@ -133,13 +133,15 @@ def _rows(pieces: list[tuple[int, int]]) -> list[tuple[int, int]] | slice:
     return pieces
 
 
-def _slots(page_rows: np.ndarray, kv_len: int, page_size: int) -> torch.Tensor | list[slice] | slice:
+def _slots(page_rows: np.ndarray, kv_len: int,
+           page_size: int) -> torch.Tensor | list[slice] | slice:
     """KV slots [G, kv_len]; a slice where they are consecutive (read as a view): the sequences'
     pages follow one another, and each sequence but the last fills its pages; a slice per sequence
     where each one's pages are consecutive."""
     pages = page_rows[:, :-(-kv_len // page_size)]
     firsts = pages[:, 0].tolist()
-    if np.array_equal(pages - pages[:, :1], np.broadcast_to(np.arange(pages.shape[1]), pages.shape)):
+    steps = np.broadcast_to(np.arange(pages.shape[1]), pages.shape)
+    if np.array_equal(pages - pages[:, :1], steps):     # each sequence's pages consecutive
         slices = [slice(p * page_size, p * page_size + kv_len) for p in firsts]
         if len(slices) == 1 or (kv_len % page_size == 0 and all(
                 a.stop == b.start for a, b in zip(slices, slices[1:]))):
@@ -192,7 +194,8 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         # Several sequences (or one in pieces), causal: one block; rows gathered (copies of the
         # row ranges: faster than indexing them) and put back range by range.
         block = group.blocks[0]
-        qg = torch.cat([q[a:b] for a, b in group.rows]).view(group.seqs, block.row_end, *q.shape[1:])
+        qg = torch.cat([q[a:b] for a, b in group.rows])
+        qg = qg.view(group.seqs, block.row_end, *q.shape[1:])
         o = _attend_block(qg.transpose(1, 2), k, v, block, scale).transpose(1, 2)  # [G, q_len, ...]
         done = 0
         for a, b in group.rows:

@@ -33,8 +33,8 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: Any, delta: torch.Tensor, residual: torch.Tensor | None,
                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden state is ``residual + delta`` (just ``delta`` before the first layer); each residual
-        add happens inside the norm that follows it (one launch on CUDA). Returns (mlp output, residual);
-        with ``rows`` (``keeps_rows`` layers), those rows' only."""
+        add happens inside the norm that follows it (one launch on CUDA). Returns (mlp output,
+        residual); with ``rows`` (``keeps_rows`` layers), those rows' only."""
         if residual is None:
             residual, x = delta, self.input_layernorm(delta)
         else:
@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
 
     @property
     def keeps_rows(self) -> bool:
-        return getattr(self.self_attn, "keeps_rows", False) and getattr(self.mlp, "keeps_rows", False)
+        return all(getattr(part, "keeps_rows", False) for part in (self.self_attn, self.mlp))
 
     def fuse(self) -> None:
         self.self_attn.fuse()
@@ -116,9 +116,9 @@ class DecoderLM(nn.Module):
 
     def prunes_last_layer(self) -> bool:
         """Whether ``forward(output_rows=...)`` runs the model's last layer for those rows only: the
-        default layer and stream, with a mixer and FFN that keep rows. Every token's K/V is cached all
-        the same; only the last layer's attention output and FFN of the other tokens are skipped,
-        which nothing reads (llama.cpp skips them too)."""
+        default layer and stream, with a mixer and FFN that keep rows. Every token's K/V is cached
+        all the same; only the last layer's attention output and FFN of the other tokens are
+        skipped, which nothing reads (llama.cpp skips them too)."""
         if not self.is_last or type(self).enter is not DecoderLM.enter:
             return False
         last = self.model.layers[str(self.config.num_hidden_layers - 1)]

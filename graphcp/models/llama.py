@@ -42,7 +42,7 @@ def _project(x: torch.Tensor, fused: tuple | None) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    keeps_rows = True       # can compute the outputs of some rows only (see DecoderLM.prunes_last_layer)
+    keeps_rows = True       # can compute some rows' outputs only (DecoderLM.prunes_last_layer)
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo) -> None:
         super().__init__()
@@ -64,7 +64,8 @@ class SelfAttention(nn.Module):
         """One GEMM for q, k and v: their loaded weights become views of one concatenated tensor."""
         self.qkv = _fuse((self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """``rows``: only those tokens' outputs are wanted (every token's K/V is still cached)."""
         t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         heads = _project(x, self.qkv).view(t, hq + 2 * hk, d)
@@ -75,7 +76,8 @@ class SelfAttention(nn.Module):
             qk = self.rotary[0].rotate(positions, heads[:, :hq + hk])
             q, k = qk[:, :hq], qk[:, hq:]
         attend = current_attention()
-        out = attend(self.layer_id, q, k, v) if rows is None else attend(self.layer_id, q, k, v, rows=rows)
+        extra = {} if rows is None else {"rows": rows}
+        out = attend(self.layer_id, q, k, v, **extra)
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
