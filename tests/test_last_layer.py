@@ -48,3 +48,22 @@ def test_layers_that_cannot_keep_rows_run_whole(ckpt_dir, engines):
                            num_experts_per_tok=2, moe_intermediate_size=32)
     model = engines.get(path, disable_cuda_graph=True)._runner.model
     assert not DecoderLM.prunes_last_layer(model)
+
+
+def test_last_token_queries_are_one_row_per_request_on_the_metadata_device():
+    """Requests with new tokens attend with one query over their whole context, padding requests
+    with none; an eager GPU forward has host descriptors and device metadata (the meta device
+    stands in for the GPU)."""
+    from dataclasses import replace
+
+    import torch
+
+    from graphcp.cp.metadata import last_tokens, zigzag_metadata
+    ext, pre = torch.tensor([3, 5, 0]), torch.tensor([4, 0, 0])
+    table = torch.arange(1, 10).view(3, 3)
+    meta = zigzag_metadata(ext, pre, table, 2, 0, 8, 4)
+    last = last_tokens(ext, pre, meta)
+    assert last.cu_seqlens_q.tolist() == [0, 1, 2, 2] and last.q_limits.tolist() == [7, 5, 0]
+    assert torch.equal(last.page_rows, table)
+    moved = last_tokens(ext, pre, replace(meta, page_rows=meta.page_rows.to("meta")))
+    assert {t.device.type for t in (moved.cu_seqlens_q, moved.page_rows, moved.q_limits)} == {"meta"}
