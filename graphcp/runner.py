@@ -132,11 +132,12 @@ class ModelRunner:
                                      desc.whole_on, on_host=on_host)
             meta = replace(meta, state_in=desc.state_in, state_out=desc.state_out)
             local_ids = desc.input_ids.index_select(0, meta.token_index)
+            lens = (desc.extend_lens, desc.prefix_lens)
             if meta.token_index.device != self.device:      # eager on a GPU: built on the host, one copy
-                meta, (local_ids,) = meta.to(self.device, local_ids)
+                meta, (local_ids, *lens) = meta.to(self.device, local_ids, *lens)
         # The last layer attends and runs its FFN for the logit rows only (its K/V are all cached).
         rows = meta.logit_rows if self.prune_last_layer else None
-        last = last_tokens(desc.extend_lens, desc.prefix_lens, meta) if rows is not None else None
+        last = last_tokens(*lens, meta) if rows is not None else None
         ops = self.attention.ops(self.pool, meta, par.comm, plan.host, last)
         with forward_context(ops, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:

@@ -28,16 +28,6 @@ def _slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, valid: np.ndarra
     return np.where(valid, slot, DUMMY_SLOT)
 
 
-def _search_rows(bounds: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Per row r: ``searchsorted(bounds[r], rows[r], right)``; rows are lifted into disjoint ranges
-    so that one flat search serves every row (numpy's search is one-dimensional)."""
-    n, width = bounds.shape
-    lift = max(int(bounds.max(initial=0)), int(rows.max(initial=0))) + 1
-    base = np.arange(n, dtype=np.int64)[:, None] * lift
-    found = np.searchsorted((bounds + base).ravel(), (rows + base).ravel(), side="right")
-    return found.reshape(rows.shape) - np.arange(n, dtype=np.int64)[:, None] * width
-
-
 def _runs(slots: np.ndarray, valid: np.ndarray) -> tuple[tuple[int, int, int], ...] | None:
     """(row, slot, count) of each run where both the valid rows and their slots step by one."""
     rows = np.flatnonzero(valid)

@@ -67,7 +67,7 @@ class LastTokens:
 def last_tokens(extend_lens: torch.Tensor, prefix_lens: torch.Tensor,
                 meta: CPMetadata) -> LastTokens:
     """Tensor ops only (a graph captures them); the first R page rows of either layout are the
-    requests' rows. Made where the metadata is (an eager GPU forward has host descriptors)."""
+    requests' rows. Made where the metadata is (lengths elsewhere are moved there)."""
     device = meta.page_rows.device
     extend_lens, prefix_lens = extend_lens.to(device), prefix_lens.to(device)
     has = (extend_lens > 0).long()

@@ -32,8 +32,8 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """x [T, H, D], cos/sin [T, 1, D]: the HF form x * cos + rotate_half(x) * sin, each product and
     the sum rounded in x's dtype as HF rounds them (bit-equal), in four ops: the rotated product is
     written half by half from ``rot_sin`` (``rotated_sin``). ``head_major``: the result is laid out
-    [H, T, D] in memory (same values), the layout torch's CPU flash kernel reads fastest (5-6%
-    faster at 4-16K tokens, measured)."""
+    [H, T, D] in memory (same values, no extra cost); re-measured alternately, torch's CPU flash
+    kernel reads it as fast as [T, H, D] rows (0.98-1.04x at 2-16K keys)."""
     if (cos.dtype != x.dtype or sin.dtype != x.dtype
             or torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape):
         return x * cos + _rotate_half(x) * sin
