@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from graphcp.kernels.triton_util import needs_int64
-from graphcp.models.fp8 import FP8, FP8_MAX, Fp8Weight
+from graphcp.kernels.fp8_types import FP8, FP8_MAX, Fp8Weight
 
 
 @triton.jit

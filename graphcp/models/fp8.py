@@ -12,17 +12,15 @@ the block-scaled Triton GEMM (CUDA). A slice need not start on a block.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig
+from graphcp.kernels.fp8_types import FP8, FP8_MAX, Fp8Weight  # noqa: F401 - re-exported
 from graphcp.kernels.registry import chosen, probe_op
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -172,19 +170,6 @@ def hold_fp8(model: nn.Module, quantized: set[str], block: tuple[int, int]) -> d
         )
         shards[scale_name(f"{name}.weight")] = scale_shard(shard, block)
     return shards
-
-
-@dataclass
-class Fp8Weight:
-    """An FP8 weight [N, K] as the GEMM reads it: block scales, each output row's row in them (a
-    fused q/k/v or a shard that starts inside a block maps rows freely), and where column 0 sits in
-    its K block."""
-
-    weight: torch.Tensor  # float8_e4m3fn [N, K]
-    scale: torch.Tensor  # float32 [row blocks, K blocks]
-    scale_rows: torch.Tensor  # int32 [N]
-    k_offset: int
-    block: tuple[int, int]
 
 
 def attach(model: nn.Module, block: tuple[int, int]) -> None:
