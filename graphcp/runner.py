@@ -59,7 +59,7 @@ class ModelRunner:
         if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
             probe_layer_ops(self.device, self.dtype)
             fp8.probe_gemm(self.model, self.dtype)
-            probe_experts(self.model)
+            probe_experts(self.model, self.dtype)
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)
         # Only the logit rows of the last layer's output are read: it runs for them alone. Every
