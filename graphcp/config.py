@@ -41,6 +41,9 @@ class EngineArgs:
     cuda_graph_buckets: tuple[int, ...] | None = None
     page_size: int = 16
     max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None     # weights + KV pool / device memory (None: SGLang's
+                                                 # default on GPUs; a fifth of free memory on CPU)
+    gpu_memory_gib: float | None = None          # size the pool as if the device had this memory
     capture_plan: str | None = None
     max_batch_requests: int = 8
     max_state_requests: int | None = None   # models with per-request state: requests that hold it
@@ -94,6 +97,11 @@ class EngineArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size ({self.page_size}), "
                               f"got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"--mem-fraction-static must be between 0 and 1 (the fraction of the "
+                              f"device's memory for weights and KV pool), got {self.mem_fraction_static}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory-gib must be > 0, got {self.gpu_memory_gib}")
         if self.enable_prefill_cp and self.cp_strategy is None:
             raise ConfigError("--cp-strategy must be set when --enable-prefill-cp is enabled (zigzag | interleave)")
         if self.attn_cp_size > 1 and not self.enable_prefill_cp:
@@ -212,7 +220,13 @@ class EngineArgs:
         add("--cuda-graph-buckets", type=int, nargs="+", default=d["cuda_graph_buckets"],
             help="CP-local padded token counts to capture, e.g. 32 64 128")
         add("--page-size", type=int, default=d["page_size"])
-        add("--max-total-tokens", type=int, default=d["max_total_tokens"])
+        add("--max-total-tokens", type=int, default=d["max_total_tokens"],
+            help="KV pool capacity in tokens per rank (default: from --mem-fraction-static)")
+        add("--mem-fraction-static", type=float, default=d["mem_fraction_static"],
+            help="fraction of the device's memory for weights + KV pool, as SGLang (default: "
+                 "SGLang's rule on GPUs; a fifth of free memory on CPU)")
+        add("--gpu-memory-gib", type=float, default=d["gpu_memory_gib"],
+            help="size the KV pool as if each rank's device had this much memory (GiB)")
         add("--capture-plan", default=d["capture_plan"])
         add("--max-batch-requests", type=int, default=d["max_batch_requests"],
             help="static request capacity of the graphs")
@@ -290,8 +304,16 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def _check_hf_dir(path: str) -> None:
+    """config.json only: ``graphcp memory`` plans from it alone (the engine checks the weights
+    before any rank starts: ``check_weights``)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--model-path {path!r} has no config.json")
+
+
+def check_weights(path: str) -> None:
+    """An HF checkpoint directory holds safetensors weights (never a pickle)."""
+    if is_gguf(path):
+        return
     files = os.listdir(path)
     if not any(f.endswith(".safetensors") for f in files):
         pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]

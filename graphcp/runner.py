@@ -68,9 +68,12 @@ class ModelRunner:
         self.prune_last_layer = (par.last_stage and args.dp_size == 1 and par.moe_comm is None
                                  and self.model.prunes_last_layer())
         write = chosen("kv_write") if self.device.type == "cuda" else None
+        graph_buckets = 0 if self.attention.graph_reason or args.disable_cuda_graph else len(
+            args.cuda_graph_buckets or DEFAULT_BUCKETS[self.device.type])
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
                           cfg.sliding_window, write, announce=rank == 0,
-                          state_parts=self.attention.state_parts())
+                          state_parts=self.attention.state_parts(), weight_bytes=self.weight_bytes,
+                          graph_buckets=graph_buckets, mla=cfg.dsa is not None)
         self.pool, self.max_context = cache.pool, cache.max_context
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,
@@ -290,7 +293,7 @@ class ModelRunner:
                 "state_bytes_per_request": self.pool.states.bytes_per_request,
                 "state_slots_total": self.planner.state_slots_total,
                 "state_slots_free": self.planner.state_slots_free,
-                "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+                "weight_bytes": self.weight_bytes,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "graph_buckets": graphs.buckets if graphs else [],
                 "graph_captures": graphs.captures if graphs else 0,
@@ -301,6 +304,11 @@ class ModelRunner:
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
                 "adaptive_cp": self.strategy.describe_cost()}
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the weights hold resident on this rank (FP8 weights and their scales as stored)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def collective_counts(self) -> dict:
         comm = self.par.comm

@@ -18,6 +18,7 @@ from conftest import cp_kwargs
 from fp8_checkpoint import make_fp8_checkpoint, quantize_blocks
 from graphcp import ConfigError, Engine, EngineArgs
 from graphcp.kernels.fp8_torch import dequantize_weight, fp8_linear_torch
+from graphcp.kernels.fp8_types import Fp8Weight
 from graphcp.models import fp8, load_model, loader, read_model_config
 from graphcp.models.llama import CausalLM
 from graphcp.models.parallel import TPInfo
@@ -105,7 +106,7 @@ def _fp8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _check_gemm(
-    x: torch.Tensor, w: fp8.Fp8Weight, dense: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, w: Fp8Weight, dense: torch.Tensor, bias: torch.Tensor | None
 ) -> float:
     from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
 
@@ -133,7 +134,7 @@ def test_triton_gemm_partial_blocks_and_offsets():
         q, scale = quantize_blocks(whole, block)
         cols = (torch.arange(k) + offset) // block[1]
         dense = q[:, offset:].float() * scale.repeat_interleave(block[0], 0)[:n][:, cols]
-        w = fp8.Fp8Weight(
+        w = Fp8Weight(
             q[:, offset:].contiguous(),
             scale,
             (torch.arange(n) // block[0]).to(torch.int32),

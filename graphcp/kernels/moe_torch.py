@@ -33,3 +33,10 @@ def experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num
         h = nn.functional.linear(x, gate_up)
         out = out + nn.functional.linear(activation(h[:, :inter], h[:, inter:]), down) * w
     return out
+
+
+def dense_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor, first: int) -> torch.Tensor:
+    """``experts_torch`` over plain fused weights, gate_up [E, 2 I, H] and down [E, H, I]: the
+    contract of the Triton grouped GEMM (``triton_moe.triton_experts``)."""
+    return experts_torch(x, ids, weights, gate_up.shape[0], first, lambda e: (gate_up[e], down[e]))

@@ -23,7 +23,7 @@ def _fp8_case(m: int, n: int, k: int, offset: int, dtype: torch.dtype, device: s
     """
     import torch
 
-    from graphcp.models import fp8
+    from graphcp.kernels import fp8_types as fp8
     gen = torch.Generator().manual_seed(seed)
     block = (128, 128)
     q = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(fp8.FP8)
@@ -45,10 +45,10 @@ def run(rep: Report, workdir: str) -> str:
             raise SkipPart("triton or the FP8 GEMM is not installed")
         raise RuntimeError(f"cannot test the FP8 GEMM: triton or {FP8_GEMM_MODULE} is missing")
     from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
-    from graphcp.models.fp8 import fp8_linear_torch
+    from graphcp.kernels.fp8_torch import fp8_linear_torch
     device = device_of(rep)
     if not rep.dry_run and torch.cuda.get_device_capability() < (8, 9):
-        raise SkipPart("no FP8 tensor cores (compute capability < 8.9): FP8 is dequantized at load")
+        raise SkipPart("no FP8 tensor cores (compute capability < 8.9): FP8 weights are dequantized per call")
     dtype = torch.float32 if rep.dry_run else torch.bfloat16
     # Against the torch form (same activation quantization): summation order, the output's rounding.
     tol_form = 1e-5 if rep.dry_run else 1e-2
