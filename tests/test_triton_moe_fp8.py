@@ -86,7 +86,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_kernel_matches_its_torch_form_under_expert_parallelism(dtype, tol):
     """Hidden 72 (K of gate_up: a partial K block; N of down: a partial row block), the expert-TP
     slice 20:58 of intermediate 64 (38 rows: partial row blocks; down's K starts 20 into a block).
@@ -100,7 +100,7 @@ def test_kernel_matches_its_torch_form_under_expert_parallelism(dtype, tol):
     ids[ids == 4] = 5
     weights = weights.to(dtype)
     for first in (0, 3):
-        for block_m in (None, 32):
+        for block_m in (None, 32, 64):
             got = triton_moe.triton_experts_fp8(x, ids, weights, gate_up, down, first, block_m)
             want = moe_torch.experts_fp8_torch(x, ids, weights, gate_up, down, first)
             assert got.dtype == dtype and want.abs().max() > 0
