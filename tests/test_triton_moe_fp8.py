@@ -173,7 +173,9 @@ def test_start_up_check_keeps_the_kernel_and_drops_a_wrong_one(monkeypatch):
 
     for dtype in (torch.float32, torch.bfloat16):
         assert check(dtype) and registry.chosen("moe_experts_fp8") is triton_moe.triton_experts_fp8
-    dequantized = lambda *a: moe_torch.dense_experts_torch(*a[:3], dense_gu, dense_d, 2)  # noqa: E731
+    def dequantized(*args):  # noqa: ANN002, ANN202
+        return moe_torch.dense_experts_torch(*args[:3], dense_gu, dense_d, 2)
+
     assert not check(torch.float32, dequantized)
 
     def wrong(*args):  # noqa: ANN002, ANN202 - a kernel 1% off

@@ -56,8 +56,8 @@ def experts_fp8_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         return rounded_activations(act, down.block[1], down.k_offset)
 
     def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return dequantize_expert(gate_up, e, torch.float32), dequantize_expert(down, e, torch.float32)
+        return tuple(dequantize_expert(w, e, torch.float32) for w in (gate_up, down))
 
     xr = rounded_activations(x, gate_up.block[1], gate_up.k_offset)
-    out = experts_torch(xr, ids, weights, gate_up.weight.shape[0], first, expert_weights, activation)
-    return out.to(x.dtype)
+    num_local = gate_up.weight.shape[0]
+    return experts_torch(xr, ids, weights, num_local, first, expert_weights, activation).to(x.dtype)

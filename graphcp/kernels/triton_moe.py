@@ -1,6 +1,7 @@
 """The MoE experts on CUDA: rows sorted by expert, then one grouped-GEMM launch per projection for
-all experts, instead of a Python loop over experts (the torch form in ``models/moe.py``, which is
-this kernel's oracle).
+all experts, instead of a Python loop over experts (the torch forms in ``moe_torch.py``, which are
+these kernels' oracles). Plain weights run ``grouped_gemm``; FP8 experts as loaded run
+``fp8_grouped_gemm`` (block-scaled, activations quantized per token and K group).
 
 Every step is a device tensor op whose shape is fixed by the row count, so the whole path can be
 captured in a CUDA graph: each expert's rows are padded to a multiple of the row tile BLOCK_M
