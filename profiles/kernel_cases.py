@@ -121,13 +121,15 @@ def moe_fp8(mock) -> Iterator[Case]:
         block_m = triton_moe.moe_row_tile(rows * topk / experts)
         sliced = inter // etp
         offset = sliced % bk               # expert-TP rank 1's slice starts this far into a block
-        for proj, n, k, k_offset in (("gate_up", 2 * sliced, hidden, 0),
-                                     ("down", hidden, sliced, offset)):
+        cap = -(-(rows * topk + experts * (block_m - 1)) // block_m) * block_m   # sorted rows
+        # gate_up reads the tokens, down the sorted rows' gated activations
+        for proj, n, k, k_offset, a_rows in (("gate_up", 2 * sliced, hidden, 0, rows),
+                                             ("down", hidden, sliced, offset, cap)):
             t = triton_moe.moe_fp8_tiles(block_m)
             kb = -(-(k + k_offset) // bk)
             args = dict(XQ=fp8, XS=f32, ROWS=mock(I64), W=fp8, WS=f32, WROWS=mock(torch.int32),
                         OUT=mock(dtype), TILE_EXPERT=mock(I64), N=n, K=k, k_offset=k_offset,
-                        num_kb=kb, stride_xq=kb * bk, stride_xs=rows * topk, stride_we=n * k,
+                        num_kb=kb, stride_xq=kb * bk, stride_xs=a_rows, stride_we=n * k,
                         stride_wn=k, stride_se=-(-n // bk) * kb, stride_sr=kb, stride_om=n,
                         BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=bk, WIDE=wide)
             config = dict(zip(("block_n", "num_warps", "num_stages"), t))
