@@ -84,18 +84,22 @@ def quantize_activations(
     return (groups / scale[..., None]).to(FP8).view(m, -1), scale
 
 
+def rounded_activations(x: torch.Tensor, block_k: int, k_offset: int = 0) -> torch.Tensor:
+    """x [M, K] as the FP8 GEMMs multiply it: quantized (``quantize_activations``), then back to
+    float32, same shape."""
+    m, k = x.shape
+    xq, xs = quantize_activations(x, block_k, k_offset)
+    return (xq.float().view(m, -1, block_k) * xs[..., None]).flatten(1)[:, k_offset:k_offset + k]
+
+
 def fp8_linear_torch(
     x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The Triton GEMM's arithmetic in torch, the same quantization and products in float32: its
     reference at start and in the tests."""
-    k, (_, block_k) = w.weight.shape[1], w.block
+    k = w.weight.shape[1]
     x2 = x.reshape(-1, k)
-    xq, xs = quantize_activations(x2, block_k, w.k_offset)
-    xf = (xq.float().view(x2.shape[0], -1, block_k) * xs[..., None]).flatten(1)[
-        :, w.k_offset : w.k_offset + k
-    ]
-    y = xf @ dequantize_weight(w, torch.float32).t()
+    y = rounded_activations(x2, w.block[1], w.k_offset) @ dequantize_weight(w, torch.float32).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], -1)
