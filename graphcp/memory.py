@@ -54,13 +54,15 @@ class MemoryReport:
         return asdict(self)
 
 
-def graph_buckets(args: EngineArgs, cfg: ModelConfig, device: str) -> int:
-    """How many prefill graphs a rank captures (the graph part of SGLang's default reserve)."""
+def graph_reserve(args: EngineArgs, cfg: ModelConfig, device: str) -> tuple[int, bool]:
+    """What the graph part of SGLang's default reserve reads: how many prefill graphs a rank
+    captures, and whether the model's attention is MLA (a larger fixed reserve)."""
     kinds = layer_kinds(cfg, range(cfg.num_hidden_layers))
     reason = next((k.graph_reason for k in kinds.values() if k.graph_reason), None)
+    mla = cfg.dsa is not None
     if config_ineligibility(args, args.resolved_backend(), reason) is not None:
-        return 0
-    return len(args.cuda_graph_buckets or DEFAULT_BUCKETS[device])
+        return 0, mla
+    return len(args.cuda_graph_buckets or DEFAULT_BUCKETS[device]), mla
 
 
 def device_capacity(device: str, device_gib: float | None) -> int:
@@ -85,7 +87,7 @@ def memory_report(args: EngineArgs, device: str = "cuda",
     fraction = args.mem_fraction_static
     if fraction is None and (device == "cuda" or device_gib):
         fraction = default_mem_fraction(capacity, args.tp_size, args.pp_size,
-                                        graph_buckets(args, cfg, device), cfg.dsa is not None)
+                                        *graph_reserve(args, cfg, device))
     _, quantized = checkpoint_tensors(cfg, None)
     ranks, built = [], {}
     for rank in range(args.world_size):

@@ -34,6 +34,7 @@ from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kernels.registry import chosen
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
+from graphcp.memory import graph_reserve
 from graphcp.models import fp8, load_model
 from graphcp.models.flags import check_model_flags
 from graphcp.models.moe import probe_experts
@@ -68,12 +69,11 @@ class ModelRunner:
         self.prune_last_layer = (par.last_stage and args.dp_size == 1 and par.moe_comm is None
                                  and self.model.prunes_last_layer())
         write = chosen("kv_write") if self.device.type == "cuda" else None
-        graph_buckets = 0 if self.attention.graph_reason or args.disable_cuda_graph else len(
-            args.cuda_graph_buckets or DEFAULT_BUCKETS[self.device.type])
+        graph_buckets, latent = graph_reserve(args, cfg, self.device.type)
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
                           cfg.sliding_window, write, announce=rank == 0,
                           state_parts=self.attention.state_parts(), weight_bytes=self.weight_bytes,
-                          graph_buckets=graph_buckets, mla=cfg.dsa is not None)
+                          graph_buckets=graph_buckets, latent=latent)
         self.pool, self.max_context = cache.pool, cache.max_context
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,

@@ -32,13 +32,13 @@ class RankCache:
 def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: torch.dtype, max_positions: int,
               sliding_window: int | None, write_kernel: Callable | None = None, announce: bool = False,
               state_parts: LayerParts | None = None, weight_bytes: int = 0,
-              graph_buckets: int = 0, mla: bool = False) -> RankCache:
+              graph_buckets: int = 0, latent: bool = False) -> RankCache:
     """The rank's pool for ``parts`` (its stage's layers), the same size on every rank (the least
     any rank can hold: ``sizing.agreed_tokens``). PD LayerSplit: each CP rank keeps only its own
     layers (and a scratch layer), so the pool is sized as if it held 1/C of them. ``state_parts``:
     what layers keep per request (``kv/states.py``): --max-state-requests slots, plus one spare
     per request of a full batch (a batch writes spare slots until it commits), taken from the
-    memory before the pages are sized. ``weight_bytes``, ``graph_buckets``, ``mla``: what the
+    memory before the pages are sized. ``weight_bytes``, ``graph_buckets``, ``latent``: what the
     budget rule reads (``kv/sizing.py``)."""
     per_token, split = bytes_per_token(parts, dtype), args.enable_dsa_cache_layer_split
     if split:
@@ -48,7 +48,7 @@ def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: t
     states = StatePool(state_parts, slots, dtype, par.device)
     budget = measured_budget(par.device, par.ranks_per_device, weight_bytes,
                              slots * state_bytes(state_parts, dtype), args.mem_fraction_static,
-                             args.gpu_memory_gib, args.tp_size, args.pp_size, graph_buckets, mla)
+                             args.gpu_memory_gib, args.tp_size, args.pp_size, graph_buckets, latent)
     tokens = agreed_tokens(lambda: pool_tokens(budget, per_token, args.max_total_tokens, max_positions,
                                                args.max_batch_requests, args.page_size),
                            agree_min=par.min_over_world)

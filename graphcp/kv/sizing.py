@@ -24,17 +24,17 @@ CPU_POOL_SHARE = 0.2
 
 
 def default_mem_fraction(capacity: int, tp_size: int, pp_size: int, graph_buckets: int,
-                         mla: bool) -> float:
+                         latent: bool) -> float:
     """SGLang 0.5.23's default for a prefill worker (``memory_hook.handle_gpu_memory_settings``):
     a reserve of 512 MiB + 1.5 MiB per activation token (its chunked-prefill size for the device's
     memory, at least 2048) + 1 GiB per 8 ranks of TP x PP + the prefill graphs (8 MiB a bucket; 1.5
-    GiB for MLA), at least 10 GiB on devices over 60 GiB."""
+    GiB for ``latent`` (MLA) attention), at least 10 GiB on devices over 60 GiB."""
     mib = capacity / MIB
     chunk = 2048 if mib < 20 * 1024 else 4096 if mib < 60 * 1024 else 8192 if mib < 160 * 1024 \
         else 16384
     reserved = 512 + max(chunk, 2048) * 1.5 + tp_size * pp_size / 8 * 1024
     if graph_buckets:
-        reserved += 1536 if mla else graph_buckets * 8
+        reserved += 1536 if latent else graph_buckets * 8
     if mib > 60 * 1024:
         reserved = max(reserved, 10 * 1024)
     return round((mib - reserved) / mib, 3)
@@ -64,7 +64,7 @@ class PoolBudget:
 
 def measured_budget(device: torch.device, ranks_sharing: int, weights: int, state: int,
                     mem_fraction: float | None, device_gib: float | None, tp_size: int,
-                    pp_size: int, graph_buckets: int, mla: bool) -> PoolBudget:
+                    pp_size: int, graph_buckets: int, latent: bool) -> PoolBudget:
     """This rank's budget from the memory it sees now (its weights loaded). ``device_gib``
     (``--gpu-memory-gib``) assumes a device of that size: on CUDA what is in use still counts, on
     CPU the weights alone do (the plan's assumption, so a CPU engine sizes as ``graphcp memory``)."""
@@ -82,7 +82,7 @@ def measured_budget(device: torch.device, ranks_sharing: int, weights: int, stat
         available = os.sysconf("SC_AVPHYS_PAGES") * page // ranks_sharing
     fraction = mem_fraction
     if fraction is None and (device.type == "cuda" or device_gib):
-        fraction = default_mem_fraction(capacity, tp_size, pp_size, graph_buckets, mla)
+        fraction = default_mem_fraction(capacity, tp_size, pp_size, graph_buckets, latent)
     return PoolBudget(capacity, available, fraction, state)
 
 

@@ -15,9 +15,10 @@ from torch import nn
 
 from graphcp.errors import ConfigError
 from graphcp.forward_context import current_moe_communicator
-from graphcp.kernels.fp8_torch import dequantize_expert
+from graphcp.kernels.fp8_torch import dequantize_expert, gemm_available
 from graphcp.kernels.fp8_types import FP8, Fp8Experts
-from graphcp.kernels.moe_torch import experts_torch, silu_and_mul
+from graphcp.kernels.moe_torch import (dense_experts_torch, experts_fp8_torch, experts_torch,
+                                       silu_and_mul)
 from graphcp.kernels.registry import chosen, probe_op
 from graphcp.models.config import ModelConfig
 from graphcp.models.fp8 import block_rows, scale_name, scale_shard
@@ -140,11 +141,16 @@ class Experts(nn.Module):
                                                                             dtype)
         ids = torch.randint(0, self.num_experts, (n, k), generator=gen).to(x.device)
         weights = torch.rand(n, k, generator=gen).to(x)
-        op = "moe_experts" if self.fp8 is None else "moe_experts_fp8"
-        parts = (self.gate_up_proj, self.down_proj) if self.fp8 is None else self.fp8
-        torch_form = lambda: experts_torch(x, ids, weights, self.num_local, self.first,  # noqa: E731
-                                           lambda e: self.expert_weights(e, dtype))
-        probe_op(op, lambda fn: fn(x, ids, weights, *parts, self.first), torch_form, dtype)
+        if self.fp8 is None:
+            op, parts, reference = "moe_experts", (self.gate_up_proj, self.down_proj), \
+                dense_experts_torch
+        elif gemm_available(x.device, self.block):
+            # its oracle quantizes the activations as the kernel does
+            op, parts, reference = "moe_experts_fp8", self.fp8, experts_fp8_torch
+        else:       # no FP8 tensor cores: the dequantizing torch form serves, unchecked
+            return
+        probe_op(op, lambda fn: fn(x, ids, weights, *parts, self.first),
+                 lambda: reference(x, ids, weights, *parts, self.first), dtype)
 
     # -- loading ------------------------------------------------------------------------------
     def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple]:
