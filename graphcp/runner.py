@@ -18,7 +18,6 @@ from graphcp import attention
 from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, resolve_dtype
-from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.metadata import last_tokens
 from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
@@ -80,12 +79,14 @@ class ModelRunner:
                                par.me.cp_rank, cache.state_slots)
         from graphcp.pd.sender import start_sender    # PD prefill mode: a Mooncake engine, the pool registered
         self.sender = start_sender(args, cfg, self.pool, par)
-        if args.enable_adaptive_cp:                    # placement weights measured here, before any capture
+        if args.enable_adaptive_cp:                    # threshold and weights measured here, before any capture
             from graphcp.calibrate import calibrate
             with torch.inference_mode():
-                cost = calibrate(self._time_forward, self._time_gather, par.average)
-            self.strategy = self.planner.strategy = adaptive_strategy(args.cp_size, args.adaptive_cp_threshold,
-                                                                      cost, rank == 0)
+                calibration = calibrate(self._time_forward, self._time_gather, par.average, args.cp_size,
+                                        self.max_context, args.adaptive_cp_threshold)
+            if rank == 0:
+                calibration.announce()
+            self.strategy = self.planner.strategy = calibration.strategy(args.cp_size)
         self.graph_reason = config_ineligibility(args, args.resolved_backend(), self.attention.graph_reason)
         self.graphs: GraphRunner | None = None
         if self.graph_reason is None:
@@ -164,15 +165,22 @@ class ModelRunner:
         rows = strategy.reduce_last_rows(hidden, meta, par.comm)
         return self.model.compute_logits(rows)
 
-    def _time_forward(self, extend_lens: list[int]) -> float:
-        """Seconds of one eager, unsharded forward of fresh requests on the dummy page (calibration)."""
+    def _time_forward(self, extend_lens: list[int], placement: str) -> float:
+        """Seconds of one eager forward of fresh requests on the dummy page (calibration): "unsharded"
+        (every rank runs all of it), "whole" (each request whole on one CP rank) or "split" (zigzag)."""
         import time
+
+        from graphcp.cp.adaptive import AdaptiveZigzagStrategy
         ids = [torch.randint(0, self.model_config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
                for n in extend_lens]
         prefix, ps = [0] * len(extend_lens), self.args.page_size
         pages = [np.zeros(-(-n // ps), dtype=np.int64) for n in extend_lens]      # all the dummy page
-        batch = BatchInputs(extend_lens, prefix, pages, ids)
-        plan = make_strategy("zigzag", 1).plan(extend_lens, prefix, 0)
+        cp = self.args.cp_size
+        strategy = {"unsharded": make_strategy("zigzag", 1),
+                    "whole": AdaptiveZigzagStrategy(cp, max(extend_lens) + 1),
+                    "split": AdaptiveZigzagStrategy(cp, 2 * cp)}[placement]
+        plan = strategy.plan(extend_lens, prefix, self.par.me.cp_rank)
+        batch = BatchInputs(extend_lens, prefix, pages, ids, plan.whole_on)
         desc, aux = Descriptors.for_batch(batch), self._aux_buffer(sum(extend_lens))
         _sync(self.device)
         start = time.perf_counter()
@@ -181,19 +189,23 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _time_gather(self, tokens: int) -> float:
-        """Seconds of one layer's K/V all-gather of ``tokens`` rows over the CP group (calibration)."""
+        """Seconds of every layer's all-gather of ``tokens`` cache rows over the CP group (calibration):
+        each layer gathers the row its attention kind caches (``cache_parts``); layers alike are timed
+        once."""
         import time
 
+        from graphcp.calibrate import gather_widths
         from graphcp.dist.comm import all_gather_into
-        cfg, comm = self.model_config, self.par.comm
-        width = 2 * cfg.num_key_value_heads // self.args.attn_tp_size * cfg.head_dim
-        rows = torch.zeros(tokens, width, dtype=self.dtype, device=self.device)
-        out = rows.new_empty((comm.size * tokens, width))
-        _sync(self.device)
-        start = time.perf_counter()
-        all_gather_into(out, rows, comm.group)
-        _sync(self.device)
-        return (time.perf_counter() - start) * len(self.par.layers)
+        comm, seconds = self.par.comm, 0.0
+        for width, layers in gather_widths(self.attention.cache_parts(), self.dtype).items():
+            rows = torch.zeros(tokens, width, dtype=self.dtype, device=self.device)
+            out = rows.new_empty((comm.size * tokens, width))
+            _sync(self.device)
+            start = time.perf_counter()
+            all_gather_into(out, rows, comm.group)
+            _sync(self.device)
+            seconds += (time.perf_counter() - start) * layers
+        return seconds
 
     # -- serving ---------------------------------------------------------------------------------
     @property

@@ -4,10 +4,10 @@ no longer runs unsharded on every rank (the whole batch computed C times).
 
 The placement is host data of the batch (``whole_on``: 0 split, r + 1 whole on rank r); it travels in the
 descriptors and the metadata reads it with tensor ops, so every placement of a bucket replays one graph.
+The threshold and the placement weights are measured at start (``graphcp/calibrate.py``).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,32 +15,50 @@ import torch
 from graphcp.cp.host_metadata import zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, zigzag_metadata
 from graphcp.cp.plan import HostMaxima
-from graphcp.cp.strategy import ZigzagStrategy
-
-log = logging.getLogger("graphcp")
+from graphcp.cp.strategy import ContextParallelStrategy, ZigzagStrategy
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds of a request's work on one rank: linear work per token plus attention work per (query,
-    key) pair; and the all-gather of its K/V rows per token (every layer). Measured by ``calibrate``."""
+    """Seconds of a forward's parts, measured by ``calibrate``: linear work per token, attention work
+    per (query, key) pair, the all-gather of K/V rows per token (every layer), a forward's fixed cost,
+    and what splitting one request adds on every rank (its two blocks' attention calls)."""
     per_token: float
     per_pair: float
     per_gather_token: float = 0.0
     fixed: float = 0.0
+    per_split: float = 0.0
 
     def work(self, new: int, prefix: int) -> float:
+        """A request's work on the rank that runs it whole (the placement's weight)."""
         return new * (self.per_token + self.per_pair * (prefix + (new + 1) / 2))
 
-    def split_from(self, cp_size: int) -> int:
-        """Fewest new tokens for which splitting pays: the work a split takes off the request's rank,
-        (1 - 1/C) w(n), exceeds the all-gather of its rows, n g (SGLang's CP-vs-DP trade)."""
-        per_token = self.per_gather_token * cp_size / (cp_size - 1) - self.per_token
-        return max(2 * cp_size, int(2 * per_token / self.per_pair))
+    def seconds(self, strategy: ContextParallelStrategy, extend_lens: list[int],
+                prefix_lens: list[int]) -> float:
+        """Modelled seconds of one forward of a batch under ``strategy``'s layout. Every CP rank runs
+        its padded rows (``local_cap``) through the linear layers and gathers them; each attends for
+        its own rows; ranks meet at every layer's all-gather, so the busiest rank's attention sets the
+        pace. A batch the layout cannot shard runs whole on every rank."""
+        plan = strategy.plan(extend_lens, prefix_lens, 0)
+        if not plan.cp_applied:
+            return self.fixed + sum(self.work(n, p) for n, p in zip(extend_lens, prefix_lens))
+        placed, lens, prefix = plan.strategy, torch.tensor(extend_lens), torch.tensor(prefix_lens)
+        pages = torch.zeros(len(extend_lens), max(map(int.__add__, extend_lens, prefix_lens)),
+                            dtype=torch.long)
+        whole_on = placed.whole_on or [0] * len(extend_lens)
+        pairs = []
+        for rank in range(strategy.cp_size):
+            meta = placed.metadata(lens, prefix, pages, rank, plan.local_cap, 1,
+                                   torch.tensor(whole_on), on_host=True)
+            pairs.append(int((meta.q_limits * meta.valid).sum()))
+        splits = sum(1 for n, w in zip(extend_lens, whole_on) if n and not w)
+        return (self.fixed + (self.per_token + self.per_gather_token) * plan.local_cap
+                + self.per_pair * max(pairs) + self.per_split * splits)
 
     def describe(self) -> str:
         return (f"per token {self.per_token * 1e6:.3g} us, per attention pair {self.per_pair * 1e9:.3g} ns, "
-                f"K/V all-gather per token {self.per_gather_token * 1e6:.3g} us, fixed {self.fixed * 1e3:.3g} ms")
+                f"K/V all-gather per token {self.per_gather_token * 1e6:.3g} us, fixed "
+                f"{self.fixed * 1e3:.3g} ms, per split request {self.per_split * 1e3:.3g} ms")
 
 
 class AdaptiveZigzagStrategy(ZigzagStrategy):
@@ -49,11 +67,12 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
     name = "zigzag"
 
     def __init__(self, cp_size: int, threshold: int, cost: CostModel | None = None,
-                 whole_on: list[int] | None = None) -> None:
+                 whole_on: list[int] | None = None, calibration: dict | None = None) -> None:
         super().__init__(cp_size)
         self.threshold = max(threshold, 2 * cp_size)     # zigzag needs 2C tokens to split a request
         self.cost = cost or CostModel(1.0, 1.0 / 512)     # placement weights until calibrated
         self.whole_on = whole_on
+        self.calibration = calibration or {}             # how the start-up calibration went (stats)
 
     @property
     def min_request_len(self) -> int:
@@ -62,22 +81,46 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
     def describe_cost(self) -> dict:
         cost = self.cost
         return {"threshold": self.threshold, "per_token_s": cost.per_token, "per_pair_s": cost.per_pair,
-                "per_gather_token_s": cost.per_gather_token, "fixed_s": cost.fixed}
+                "per_gather_token_s": cost.per_gather_token, "fixed_s": cost.fixed,
+                "per_split_s": cost.per_split, **self.calibration}
 
     def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> AdaptiveZigzagStrategy:
-        """This strategy with the batch's placement decided."""
-        loads = [0.0] * self.cp_size
-        whole_on = [0] * len(extend_lens)
-        for i, (n, p) in enumerate(zip(extend_lens, prefix_lens)):
-            if n >= self.threshold:           # split: every rank gets an equal share
-                loads = [x + self.cost.work(n, p) / self.cp_size for x in loads]
-        shorts = sorted((i for i, n in enumerate(extend_lens) if 0 < n < self.threshold),
-                        key=lambda i: -self.cost.work(extend_lens[i], prefix_lens[i]))
+        """This strategy with the batch's placement decided: requests of >= ``threshold`` new tokens
+        split, the rest whole. Then, smallest first, a split request stays whole while the model says
+        the balance its split buys is worth less than the split's own cost (``per_split``; 0 unless
+        calibrated, so a user's threshold is exact): in a batch of many requests whole ones balance
+        by themselves, and the threshold is where a lone request gains."""
+        split = sorted((i for i, n in enumerate(extend_lens) if n >= self.threshold),
+                       key=lambda i: extend_lens[i])
+        whole_on, seconds = self._place(extend_lens, prefix_lens, split)
+        while split and self.cost.per_split > 0:
+            fewer, fewer_seconds = self._place(extend_lens, prefix_lens, split[1:])
+            if fewer_seconds >= seconds:
+                break
+            split, whole_on, seconds = split[1:], fewer, fewer_seconds
+        return AdaptiveZigzagStrategy(self.cp_size, self.threshold, self.cost, whole_on,
+                                      self.calibration)
+
+    def _place(self, extend_lens: list[int], prefix_lens: list[int], split: list[int]
+               ) -> tuple[list[int], float]:
+        """``split`` requests zigzag, every other one whole on the least-loaded rank (longest work
+        first); and the modelled seconds beyond the fixed cost: the busiest rank's work, the
+        all-gather of the most rows, each split's own cost."""
+        cost, cp = self.cost, self.cp_size
+        loads, rows = [0.0] * cp, [0.0] * cp
+        for i in split:                  # every rank gets an equal share
+            share = cost.work(extend_lens[i], prefix_lens[i]) / cp
+            loads = [x + share for x in loads]
+            rows = [r + extend_lens[i] / cp for r in rows]
+        whole_on, chosen = [0] * len(extend_lens), set(split)
+        shorts = sorted((i for i, n in enumerate(extend_lens) if n > 0 and i not in chosen),
+                        key=lambda i: -cost.work(extend_lens[i], prefix_lens[i]))
         for i in shorts:
-            rank = min(range(self.cp_size), key=lambda r: (loads[r], r))
-            loads[rank] += self.cost.work(extend_lens[i], prefix_lens[i])
+            rank = min(range(cp), key=lambda r: (loads[r], r))
+            loads[rank] += cost.work(extend_lens[i], prefix_lens[i])
+            rows[rank] += extend_lens[i]
             whole_on[i] = rank + 1
-        return AdaptiveZigzagStrategy(self.cp_size, self.threshold, self.cost, whole_on)
+        return whole_on, max(loads) + cost.per_gather_token * max(rows) + cost.per_split * len(split)
 
     def _placement(self, extend_lens: list[int]) -> list[int]:
         """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a bug."""
@@ -114,13 +157,3 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         rows = rows * meta.logit_owner[:, None].to(rows.dtype)
         comm.all_reduce(rows)
         return rows
-
-
-
-def adaptive_strategy(cp_size: int, threshold: int | None, cost: CostModel, announce: bool) -> AdaptiveZigzagStrategy:
-    strategy = AdaptiveZigzagStrategy(cp_size, threshold or cost.split_from(cp_size), cost)
-    if announce:
-        log.info("graphcp: adaptive CP: requests with >= %d new tokens are split (zigzag), shorter ones run "
-                 "whole on one CP rank (%s); measured cost model: %s", strategy.threshold,
-                 "--adaptive-cp-threshold" if threshold else "from the cost model", cost.describe())
-    return strategy
