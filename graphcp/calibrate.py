@@ -41,6 +41,7 @@ SHORT = 16            # tokens per request of a rung's batch probe: tokens witho
 FIRST_RUNG = 256      # tokens of the first rung
 GROWTH = 4            # each rung this many times the tokens of the one before (few rungs: a quick start)
 MAX_PROBE = 4096      # no probe beyond this many tokens (the engine is sized for its batches)
+PROBE_BUDGET = 0.25   # seconds: no next rung whose forwards may take longer (a quick start)
 TOKENS_SEEN = 2.0     # the token term is resolved once a batch takes this many times a 1-token forward
 PAIRS_SEEN = 1.5      # the pair term: one request of T tokens takes this many times a batch of T
 RETIME_RESIDUAL = 0.1  # rms relative error of the fit beyond which its worst probes are timed again
@@ -125,7 +126,7 @@ def calibrate(time_forward: TimeForward, time_gather: Callable[[int], float],
     source = "--adaptive-cp-threshold"
     if threshold is None:
         cost = replace(cost, per_split=split_overhead(timer, cp_size, max_len))
-        crossover = lone_crossover(timer, cp_size, min(max_len, top))
+        crossover = lone_crossover(timer, cost, cp_size, min(max_len, top))
         cost, threshold, source = decide_threshold(cost, cp_size, crossover, notes)
     return Calibration(cost, threshold, source, residual, tuple(crossover), tuple(notes),
                        time.perf_counter() - start)
@@ -145,7 +146,8 @@ def fit_costs(timer: Timer, max_tokens: int, notes: list[str]) -> tuple[CostMode
         notes.append(f"the fit left {100 * before:.0f}% rms unexplained; {len(worst)} probes timed "
                      f"again ({100 * residual:.0f}% after)")
     fixed, per_token, per_pair = costs
-    batch, single = probes[-2], probes[-1]
+    base, batch, single = probes[0], probes[-2], probes[-1]
+    tokens_seen = batch.seconds >= TOKENS_SEEN * base.seconds
     pairs_seen = single.seconds >= PAIRS_SEEN * batch.seconds
     reason = (f"it leaves {100 * residual:.0f}% rms of the probes unexplained" if residual > MAX_RESIDUAL
               else "its per-token cost is 0" if per_token <= 0
@@ -153,9 +155,13 @@ def fit_costs(timer: Timer, max_tokens: int, notes: list[str]) -> tuple[CostMode
                    f"{single.seconds / batch.seconds:.2f}x a batch of {top} tokens"
               if per_pair <= 0 and pairs_seen else None)
     if reason is not None:
-        fixed, per_token, per_pair = two_point(probes[0], batch, single)
+        fixed, per_token, per_pair = two_point(base, batch, single)
         notes.append(f"cost fit rejected ({reason}): placement weights from the {top}-token rung instead "
                      f"(per token {per_token * 1e6:.3g} us, per pair {per_pair * 1e9:.3g} ns)")
+    if not tokens_seen:
+        notes.append(f"token cost below resolution: a batch of {top} tokens took "
+                     f"{batch.seconds / base.seconds:.2f}x a 1-token forward; the per-token cost is "
+                     f"a rough estimate (placement balances tokens all the same)")
     if per_pair <= 0:
         notes.append(f"attention cost below resolution: one {top}-token request took "
                      f"{single.seconds / batch.seconds:.2f}x a batch of {top} tokens; placement weighs "
@@ -165,7 +171,8 @@ def fit_costs(timer: Timer, max_tokens: int, notes: list[str]) -> tuple[CostMode
 
 def probe_ladder(timer: Timer, max_tokens: int) -> tuple[list[Probe], int]:
     """A 1-token forward, then per rung (256, 1024, ... tokens) a batch of short requests and one request,
-    until both terms show (or ``max_tokens``), and two requests of half the top rung each. Returns the
+    until both terms show (or ``max_tokens``, or the next rung's forwards would exceed
+    ``PROBE_BUDGET``), and two requests of half the top rung each. Returns the
     probes (the top rung's batch and single request last) and the top rung's tokens."""
     (base,) = timer(([1], "unsharded"))
     probes, tokens = [Probe([1], base)], min(FIRST_RUNG, max_tokens)
@@ -175,7 +182,10 @@ def probe_ladder(timer: Timer, max_tokens: int) -> tuple[list[Probe], int]:
         seconds = timer((batch, "unsharded"), (single, "unsharded"))
         probes += [Probe(batch, seconds[0]), Probe(single, seconds[1])]
         shown = seconds[0] >= TOKENS_SEEN * base and seconds[1] >= PAIRS_SEEN * seconds[0]
-        if shown or GROWTH * tokens > max_tokens:
+        # the next single request: tokens grow by GROWTH, pairs by its square
+        costly = (base + (seconds[0] - base) * GROWTH
+                  + max(0.0, seconds[1] - seconds[0]) * GROWTH ** 2) > PROBE_BUDGET
+        if shown or costly or GROWTH * tokens > max_tokens:
             # the top rung's pairs once more, halved: one slow probe cannot set the per-pair cost alone
             (halves,) = timer(([tokens // 2, tokens - tokens // 2], "unsharded"))
             probes.insert(-2, Probe([tokens // 2, tokens - tokens // 2], halves))
@@ -242,14 +252,18 @@ def split_overhead(timer: Timer, cp_size: int, max_len: int) -> float:
     return max(0.0, split - whole) / count
 
 
-def lone_crossover(timer: Timer, cp_size: int, max_len: int) -> list[tuple[int, float, float]]:
+def lone_crossover(timer: Timer, cost: CostModel, cp_size: int, max_len: int
+                   ) -> list[tuple[int, float, float]]:
     """(n, whole s, split s) of one request on a ladder n = 16C, 64C, ... until splitting is clearly
-    faster on two rungs in a row, or decisively on one (or ``max_len``: the cost ladder's top rung)."""
+    faster on two rungs in a row, or decisively on one (or ``max_len``: the cost ladder's top rung, or
+    the next rung's forwards would exceed ``PROBE_BUDGET`` by ``cost``)."""
     rows, n = [], 16 * cp_size
     while n <= max_len:
         whole, split = timer(([n], "whole"), ([n], "split"))
         rows.append((n, whole, split))
         if whole >= DECISIVE * split or (len(rows) >= 2 and all(w >= CLEAR * s for _, w, s in rows[-2:])):
+            break
+        if cost.seconds(AdaptiveZigzagStrategy(cp_size, GROWTH * n + 1), [GROWTH * n], [0]) > PROBE_BUDGET:
             break
         n *= GROWTH
     return rows

@@ -1,10 +1,13 @@
-"""``graphcp adaptive-bench``: static zigzag vs adaptive CP vs unsharded, side by side, on an all-short
-and a mixed batch at the given CP size.
+"""``graphcp adaptive-bench``: the calibrated adaptive placement beside both of its extremes ("split
+everything": every request of >= 2C tokens zigzag; "keep whole": every request whole on one rank, placed
+to balance), static zigzag and unsharded, on an all-short, a mixed and a lone-request batch.
 
-Tokens/s is the median prefill wall time over ``--reps`` runs (graphs where the engine uses them). Rank
-work is the adaptive engine's calibrated cost model summed over each rank's rows (per token, plus per
-key each query attends); max/mean says how evenly a layout spreads it. Unsharded runs the whole batch on
-every rank, which is what a CP=1 engine runs: that column is measured on one.
+Times are medians over ``--reps`` prefills (graphs where the engine uses them). The three adaptive
+layouts run side by side, their prefills interleaved, so a burst of background load hits them alike;
+the ratio is the calibrated placement's median over the better extreme's (the target: <= 1.15).
+Modelled ms is the calibrated cost model's forward time for each layout (``CostModel.seconds``).
+Unsharded runs the whole batch on every rank, which is what a CP=1 engine runs: that row is measured
+on one.
 """
 from __future__ import annotations
 
@@ -14,92 +17,120 @@ import random
 import statistics
 import time
 
-import torch
-
 from graphcp.batch import Request
 from graphcp.config import EngineArgs
 from graphcp.tools.cli import engine_args, engine_parser
 
-CASES = {"all_short": [40, 3, 24, 2, 33, 17, 3, 10], "mixed": [384, 3, 48, 20, 2, 64]}   # some < 2C
+CASES = {"all_short": [40, 3, 24, 2, 33, 17, 3, 10], "mixed": [384, 3, 48, 20, 2, 64],   # some < 2C
+         "lone": [300]}
+ADAPTIVE = ("adaptive", "split everything", "keep whole")
+TARGET = 1.15
 
 
-def rank_work(strategy, extend_lens: list[int], cost) -> list[float]:  # noqa: ANN001
-    """Modelled seconds of each CP rank's rows for a fresh batch (no cached prefix)."""
-    layout = strategy.plan(extend_lens, [0] * len(extend_lens), 0)
-    if not layout.cp_applied:     # static zigzag on short requests: every rank runs all of it
-        total = sum(cost.work(n, 0) for n in extend_lens)
-        return [total] * strategy.cp_size
-    placed, lens, cap = layout.strategy, torch.tensor(extend_lens), layout.local_cap
-    pages = torch.zeros(len(extend_lens), max(extend_lens), dtype=torch.long)
-    whole_on = torch.tensor(placed.whole_on) if placed.whole_on is not None else None
-    work = []
-    for rank in range(strategy.cp_size):
-        meta = placed.metadata(lens, torch.zeros_like(lens), pages, rank, cap, 1, whole_on)
-        keys = (meta.q_limits * meta.valid).sum().item()
-        work.append(cost.per_token * int(meta.valid.sum()) + cost.per_pair * keys)
-    return work
+def _layouts(args: EngineArgs) -> dict[str, EngineArgs]:
+    static = dict(enable_adaptive_cp=False, adaptive_cp_threshold=None)
+    return {"adaptive": dataclasses.replace(args, enable_adaptive_cp=True, adaptive_cp_threshold=None),
+            "split everything": dataclasses.replace(args, enable_adaptive_cp=True,
+                                                    adaptive_cp_threshold=2 * args.cp_size),
+            "keep whole": dataclasses.replace(args, enable_adaptive_cp=True, adaptive_cp_threshold=10 ** 9),
+            "static zigzag": dataclasses.replace(args, **static),
+            "unsharded": dataclasses.replace(args, tp_size=1, attn_cp_size=1, enable_prefill_cp=False,
+                                             **static)}
 
 
-def adaptive_bench(args: EngineArgs, reps: int = 3, seed: int = 0) -> dict:
+def _time(engines: dict, batches: dict, reps: int) -> list[dict]:
+    """Median prefill time per (batch, layout); the engines' prefills interleaved, rep by rep."""
+    rows = []
+    for name, ids in batches.items():
+        times: dict[str, list[float]] = {layout: [] for layout in engines}
+        outs = {}
+        for rep in range(reps + 1):                     # the first round warms up
+            for layout, engine in engines.items():
+                reqs = [Request(f"{name}{i}-{rep}", t) for i, t in enumerate(ids)]
+                start = time.perf_counter()
+                outs[layout] = engine.prefill(reqs)
+                if rep:
+                    times[layout].append(time.perf_counter() - start)
+                for r in reqs:
+                    engine.release(r.rid)
+        for layout, out in outs.items():
+            rows.append({"batch": name, "layout": layout, "mode": out.mode, "cp_applied": out.cp_applied,
+                         "per_rank_tokens": out.per_rank_tokens,
+                         "median_ms": 1e3 * statistics.median(times[layout]),
+                         "tokens_per_s": sum(map(len, ids)) / statistics.median(times[layout])})
+    return rows
+
+
+def adaptive_bench(args: EngineArgs, reps: int = 9, seed: int = 0) -> dict:
     from graphcp import Engine
-    from graphcp.cp.strategy import ZigzagStrategy
+    from graphcp.cp.adaptive import AdaptiveZigzagStrategy, CostModel
+    from graphcp.cp.strategy import make_strategy
     from graphcp.models import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)
     batches = {name: [[rng.randrange(vocab) for _ in range(n)] for n in lens] for name, lens in CASES.items()}
-    layouts = {"static zigzag": dataclasses.replace(args, enable_adaptive_cp=False, adaptive_cp_threshold=None),
-               "adaptive": dataclasses.replace(args, enable_adaptive_cp=True),
-               "unsharded": dataclasses.replace(args, tp_size=1, attn_cp_size=1, enable_prefill_cp=False,
-                                                enable_adaptive_cp=False, adaptive_cp_threshold=None)}
-    rows, cost, threshold, strategies = [], None, None, {}
-    for layout, layout_args in layouts.items():
-        with Engine(layout_args) as engine:
-            if layout == "adaptive":
-                model = engine.stats()["adaptive_cp"]
-                threshold = model["threshold"]
-                from graphcp.cp.adaptive import AdaptiveZigzagStrategy, CostModel
-                cost = CostModel(model["per_token_s"], model["per_pair_s"], model["per_gather_token_s"],
-                                 model["fixed_s"])
-                strategies[layout] = AdaptiveZigzagStrategy(args.cp_size, threshold, cost)
-            for name, ids in batches.items():
-                times, out = [], None
-                for rep in range(reps + 1):                 # the first run warms up
-                    reqs = [Request(f"{name}{i}-{rep}", t) for i, t in enumerate(ids)]
-                    start = time.perf_counter()
-                    out = engine.prefill(reqs)
-                    if rep:
-                        times.append(time.perf_counter() - start)
-                    for r in reqs:
-                        engine.release(r.rid)
-                tokens = sum(len(t) for t in ids)
-                rows.append({"batch": name, "layout": layout, "mode": out.mode, "cp_applied": out.cp_applied,
-                             "per_rank_tokens": out.per_rank_tokens,
-                             "tokens_per_s": tokens / statistics.median(times)})
-    strategies["static zigzag"] = ZigzagStrategy(args.cp_size)
+    layouts, rows = _layouts(args), []
+    engines = {name: Engine(layouts[name]) for name in ADAPTIVE}
+    try:
+        calibration = engines["adaptive"].stats()["adaptive_cp"]
+        rows += _time(engines, batches, reps)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    for name in ("static zigzag", "unsharded"):
+        with Engine(layouts[name]) as engine:
+            rows += _time({name: engine}, batches, reps)
+    cost = CostModel(*(calibration[k] for k in ("per_token_s", "per_pair_s", "per_gather_token_s",
+                                                "fixed_s", "per_split_s")))
+    cp = args.cp_size
+    strategies = {"adaptive": AdaptiveZigzagStrategy(cp, calibration["threshold"], cost),
+                  "split everything": AdaptiveZigzagStrategy(cp, 2 * cp),
+                  "keep whole": AdaptiveZigzagStrategy(cp, 10 ** 9),
+                  "static zigzag": make_strategy("zigzag", cp), "unsharded": make_strategy("zigzag", 1)}
     for row in rows:
         lens = CASES[row["batch"]]
-        work = (rank_work(strategies[row["layout"]], lens, cost) if row["layout"] != "unsharded"
-                else [sum(cost.work(n, 0) for n in lens)] * args.cp_size)
-        row["max_rank_work_ms"] = 1e3 * max(work)
-        row["max_over_mean"] = max(work) / (sum(work) / len(work))
-    return {"cp_size": args.cp_size, "threshold": threshold, "cost_model": dataclasses.asdict(cost),
-            "reps": reps, "cases": rows}
+        row["modelled_ms"] = 1e3 * cost.seconds(strategies[row["layout"]], lens, [0] * len(lens))
+    verdicts = []
+    for name in CASES:
+        ms = {r["layout"]: r for r in rows if r["batch"] == name}
+        best = min(ms["split everything"]["median_ms"], ms["keep whole"]["median_ms"])
+        modelled = min(ms["split everything"]["modelled_ms"], ms["keep whole"]["modelled_ms"])
+        verdicts.append({"batch": name, "adaptive_ms": ms["adaptive"]["median_ms"],
+                         "split_everything_ms": ms["split everything"]["median_ms"],
+                         "keep_whole_ms": ms["keep whole"]["median_ms"],
+                         "ratio": ms["adaptive"]["median_ms"] / best,
+                         "modelled_ratio": ms["adaptive"]["modelled_ms"] / modelled})
+    return {"cp_size": cp, "calibration": calibration, "reps": reps, "cases": rows, "verdicts": verdicts}
 
 
 def run(argv: list[str]) -> int:
-    parser = engine_parser("graphcp adaptive-bench", "Static zigzag vs adaptive CP vs unsharded.", cp_default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser = engine_parser("graphcp adaptive-bench", "Adaptive CP beside split-everything, keep-whole, "
+                           "static zigzag and unsharded.", cp_default=2)
+    parser.add_argument("--reps", type=int, default=9, help="timed prefills per batch and layout")
     parser.add_argument("--json", default=None, help="write the report here")
     ns = parser.parse_args(argv)
     args = engine_args(ns)
     report = adaptive_bench(args, ns.reps)
-    print(f"CP {report['cp_size']}: adaptive splits requests of >= {report['threshold']} new tokens; "
-          f"cost model {report['cost_model']}")
-    print(f"{'batch':>10} {'layout':>14} {'mode':>6} {'tokens/s':>9} {'rank tokens':>14} "
-          f"{'max rank work ms':>17} {'max/mean':>8}")
+    cal = report["calibration"]
+    print(f"CP {report['cp_size']}: adaptive splits requests of >= {cal['threshold']} new tokens "
+          f"({cal['threshold_from']}); calibrated in {cal['calibration_s']:.2f} s")
+    print(f"fitted: per token {cal['per_token_s'] * 1e6:.3g} us, per pair {cal['per_pair_s'] * 1e9:.3g} ns, "
+          f"all-gather per token {cal['per_gather_token_s'] * 1e6:.3g} us, fixed {cal['fixed_s'] * 1e3:.3g} "
+          f"ms, per split request {cal['per_split_s'] * 1e3:.3g} ms; fit residual "
+          f"{100 * cal['fit_residual']:.1f}% rms")
+    print("lone request whole/split ms: " + ", ".join(
+        f"{n}: {1e3 * w:.1f}/{1e3 * s:.1f}" for n, w, s in cal["crossover"]))
+    for note in cal["fallbacks"]:
+        print(f"fallback: {note}")
+    print(f"{'batch':>10} {'layout':>16} {'mode':>6} {'median ms':>10} {'tokens/s':>9} "
+          f"{'rank tokens':>14} {'modelled ms':>12}")
     for c in report["cases"]:
-        print(f"{c['batch']:>10} {c['layout']:>14} {c['mode']:>6} {c['tokens_per_s']:>9.0f} "
-              f"{c['per_rank_tokens']!s:>14} {c['max_rank_work_ms']:>17.2f} {c['max_over_mean']:>8.3f}")
+        print(f"{c['batch']:>10} {c['layout']:>16} {c['mode']:>6} {c['median_ms']:>10.1f} "
+              f"{c['tokens_per_s']:>9.0f} {c['per_rank_tokens']!s:>14} {c['modelled_ms']:>12.1f}")
+    for v in report["verdicts"]:
+        print(f"{v['batch']:>10}: adaptive {v['adaptive_ms']:.1f} ms vs split everything "
+              f"{v['split_everything_ms']:.1f} ms, keep whole {v['keep_whole_ms']:.1f} ms: "
+              f"{v['ratio']:.2f}x the better (modelled {v['modelled_ratio']:.2f}x; target <= {TARGET})")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(report | {"config": args.to_dict()}, f, indent=2)
