@@ -79,11 +79,11 @@ class ModelRunner:
                                par.me.cp_rank, cache.state_slots)
         from graphcp.pd.sender import start_sender    # PD prefill mode: a Mooncake engine, the pool registered
         self.sender = start_sender(args, cfg, self.pool, par)
-        if args.enable_adaptive_cp:                    # threshold and weights measured here, before any capture
+        if args.enable_adaptive_cp:          # threshold and weights measured here, before any capture
             from graphcp.calibrate import calibrate
             with torch.inference_mode():
-                calibration = calibrate(self._time_forward, self._time_gather, par.average, args.cp_size,
-                                        self.max_context, args.adaptive_cp_threshold)
+                calibration = calibrate(self._time_forward, self._time_gather, par.average,
+                                        args.cp_size, self.max_context, args.adaptive_cp_threshold)
             if rank == 0:
                 calibration.announce()
             self.strategy = self.planner.strategy = calibration.strategy(args.cp_size)
@@ -166,16 +166,16 @@ class ModelRunner:
         return self.model.compute_logits(rows)
 
     def _time_forward(self, extend_lens: list[int], placement: str) -> float:
-        """Seconds of one eager forward of fresh requests on the dummy page (calibration): "unsharded"
-        (every rank runs all of it), "whole" (each request whole on one CP rank) or "split" (zigzag)."""
+        """Seconds of one eager forward of fresh requests on the dummy page (calibration):
+        "unsharded" (every rank runs all of it), "whole" (each request whole on one CP rank) or
+        "split" (zigzag)."""
         import time
 
         from graphcp.cp.adaptive import AdaptiveZigzagStrategy
-        ids = [torch.randint(0, self.model_config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-               for n in extend_lens]
-        prefix, ps = [0] * len(extend_lens), self.args.page_size
-        pages = [np.zeros(-(-n // ps), dtype=np.int64) for n in extend_lens]      # all the dummy page
-        cp = self.args.cp_size
+        ids = [torch.randint(0, self.model_config.vocab_size, (n,),
+                             generator=torch.Generator().manual_seed(n)) for n in extend_lens]
+        prefix, ps, cp = [0] * len(extend_lens), self.args.page_size, self.args.cp_size
+        pages = [np.zeros(-(-n // ps), dtype=np.int64) for n in extend_lens]   # all the dummy page
         strategy = {"unsharded": make_strategy("zigzag", 1),
                     "whole": AdaptiveZigzagStrategy(cp, max(extend_lens) + 1),
                     "split": AdaptiveZigzagStrategy(cp, 2 * cp)}[placement]
@@ -189,9 +189,9 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _time_gather(self, tokens: int) -> float:
-        """Seconds of every layer's all-gather of ``tokens`` cache rows over the CP group (calibration):
-        each layer gathers the row its attention kind caches (``cache_parts``); layers alike are timed
-        once."""
+        """Seconds of every layer's all-gather of ``tokens`` cache rows over the CP group
+        (calibration): each layer gathers the row its attention kind caches (``cache_parts``);
+        layers alike are timed once."""
         import time
 
         from graphcp.calibrate import gather_widths

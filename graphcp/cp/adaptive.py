@@ -1,10 +1,10 @@
-"""Adaptive CP (``--enable-adaptive-cp``): per batch, requests shorter than a threshold run whole on one
-CP rank (placed to balance work), longer ones keep the zigzag split. A batch of only short requests then
-no longer runs unsharded on every rank (the whole batch computed C times).
+"""Adaptive CP (``--enable-adaptive-cp``): per batch, requests shorter than a threshold run whole on
+one CP rank (placed to balance work), longer ones keep the zigzag split. A batch of only short
+requests then no longer runs unsharded on every rank (the whole batch computed C times).
 
-The placement is host data of the batch (``whole_on``: 0 split, r + 1 whole on rank r); it travels in the
-descriptors and the metadata reads it with tensor ops, so every placement of a bucket replays one graph.
-The threshold and the placement weights are measured at start (``graphcp/calibrate.py``).
+The placement is host data of the batch (``whole_on``: 0 split, r + 1 whole on rank r); it travels
+in the descriptors and the metadata reads it with tensor ops, so every placement of a bucket replays
+one graph. The threshold and the placement weights are measured at start (``graphcp/calibrate.py``).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from graphcp.cp.strategy import ContextParallelStrategy, ZigzagStrategy
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds of a forward's parts, measured by ``calibrate``: linear work per token, attention work
-    per (query, key) pair, the all-gather of K/V rows per token (every layer), a forward's fixed cost,
-    and what splitting one request adds on every rank (its two blocks' attention calls)."""
+    """Seconds of a forward's parts, measured by ``calibrate``: linear work per token, attention
+    work per (query, key) pair, the all-gather of cache rows per token (every layer), a forward's
+    fixed cost, and what splitting one request adds on every rank (its blocks' own calls)."""
     per_token: float
     per_pair: float
     per_gather_token: float = 0.0
@@ -35,10 +35,10 @@ class CostModel:
 
     def seconds(self, strategy: ContextParallelStrategy, extend_lens: list[int],
                 prefix_lens: list[int]) -> float:
-        """Modelled seconds of one forward of a batch under ``strategy``'s layout. Every CP rank runs
-        its padded rows (``local_cap``) through the linear layers and gathers them; each attends for
-        its own rows; ranks meet at every layer's all-gather, so the busiest rank's attention sets the
-        pace. A batch the layout cannot shard runs whole on every rank."""
+        """Modelled seconds of one forward of a batch under ``strategy``'s layout. Every CP rank
+        runs its padded rows (``local_cap``) through the linear layers and gathers them; each
+        attends for its own rows; ranks meet at every layer's all-gather, so the busiest rank's
+        attention sets the pace. A batch the layout cannot shard runs whole on every rank."""
         plan = strategy.plan(extend_lens, prefix_lens, 0)
         if not plan.cp_applied:
             return self.fixed + sum(self.work(n, p) for n, p in zip(extend_lens, prefix_lens))
@@ -56,23 +56,25 @@ class CostModel:
                 + self.per_pair * max(pairs) + self.per_split * splits)
 
     def describe(self) -> str:
-        return (f"per token {self.per_token * 1e6:.3g} us, per attention pair {self.per_pair * 1e9:.3g} ns, "
-                f"K/V all-gather per token {self.per_gather_token * 1e6:.3g} us, fixed "
-                f"{self.fixed * 1e3:.3g} ms, per split request {self.per_split * 1e3:.3g} ms")
+        return (f"per token {self.per_token * 1e6:.3g} us, per attention pair "
+                f"{self.per_pair * 1e9:.3g} ns, all-gather per token "
+                f"{self.per_gather_token * 1e6:.3g} us, fixed {self.fixed * 1e3:.3g} ms, per split "
+                f"request {self.per_split * 1e3:.3g} ms")
 
 
 class AdaptiveZigzagStrategy(ZigzagStrategy):
-    """Zigzag for long requests; each short one whole on the least-loaded rank (longest work first)."""
+    """Zigzag for long requests; each short one whole on the least-loaded rank (longest work
+    first)."""
 
     name = "zigzag"
 
     def __init__(self, cp_size: int, threshold: int, cost: CostModel | None = None,
                  whole_on: list[int] | None = None, calibration: dict | None = None) -> None:
         super().__init__(cp_size)
-        self.threshold = max(threshold, 2 * cp_size)     # zigzag needs 2C tokens to split a request
-        self.cost = cost or CostModel(1.0, 1.0 / 512)     # placement weights until calibrated
+        self.threshold = max(threshold, 2 * cp_size)   # zigzag needs 2C tokens to split a request
+        self.cost = cost or CostModel(1.0, 1.0 / 512)   # placement weights until calibrated
         self.whole_on = whole_on
-        self.calibration = calibration or {}             # how the start-up calibration went (stats)
+        self.calibration = calibration or {}           # how the start-up calibration went (stats)
 
     @property
     def min_request_len(self) -> int:
@@ -80,16 +82,16 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
 
     def describe_cost(self) -> dict:
         cost = self.cost
-        return {"threshold": self.threshold, "per_token_s": cost.per_token, "per_pair_s": cost.per_pair,
-                "per_gather_token_s": cost.per_gather_token, "fixed_s": cost.fixed,
-                "per_split_s": cost.per_split, **self.calibration}
+        return {"threshold": self.threshold, "per_token_s": cost.per_token,
+                "per_pair_s": cost.per_pair, "per_gather_token_s": cost.per_gather_token,
+                "fixed_s": cost.fixed, "per_split_s": cost.per_split, **self.calibration}
 
     def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> AdaptiveZigzagStrategy:
-        """This strategy with the batch's placement decided: requests of >= ``threshold`` new tokens
-        split, the rest whole. Then, smallest first, a split request stays whole while the model says
-        the balance its split buys is worth less than the split's own cost (``per_split``; 0 unless
-        calibrated, so a user's threshold is exact): in a batch of many requests whole ones balance
-        by themselves, and the threshold is where a lone request gains."""
+        """This strategy with the batch's placement decided: requests of >= ``threshold`` new
+        tokens split, the rest whole. Then, smallest first, a split request stays whole while the
+        model says the balance its split buys is worth less than the split's own cost
+        (``per_split``; 0 unless calibrated, so a user's threshold is exact): in a batch of many
+        requests whole ones balance by themselves, and the threshold is where a lone one gains."""
         split = sorted((i for i, n in enumerate(extend_lens) if n >= self.threshold),
                        key=lambda i: extend_lens[i])
         whole_on, seconds = self._place(extend_lens, prefix_lens, split)
@@ -101,8 +103,8 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         return AdaptiveZigzagStrategy(self.cp_size, self.threshold, self.cost, whole_on,
                                       self.calibration)
 
-    def _place(self, extend_lens: list[int], prefix_lens: list[int], split: list[int]
-               ) -> tuple[list[int], float]:
+    def _place(self, extend_lens: list[int], prefix_lens: list[int],
+               split: list[int]) -> tuple[list[int], float]:
         """``split`` requests zigzag, every other one whole on the least-loaded rank (longest work
         first); and the modelled seconds beyond the fixed cost: the busiest rank's work, the
         all-gather of the most rows, each split's own cost."""
@@ -120,12 +122,15 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
             loads[rank] += cost.work(extend_lens[i], prefix_lens[i])
             rows[rank] += extend_lens[i]
             whole_on[i] = rank + 1
-        return whole_on, max(loads) + cost.per_gather_token * max(rows) + cost.per_split * len(split)
+        seconds = max(loads) + cost.per_gather_token * max(rows) + cost.per_split * len(split)
+        return whole_on, seconds
 
     def _placement(self, extend_lens: list[int]) -> list[int]:
-        """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a bug."""
+        """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a
+        bug."""
         if self.whole_on is None or len(self.whole_on) != len(extend_lens):
-            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or plan) for a batch")
+            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or plan) for "
+                               "a batch")
         return self.whole_on
 
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:
@@ -136,7 +141,8 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
                 counts[w - 1] += n
         return counts
 
-    def host_maxima(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> HostMaxima:
+    def host_maxima(self, extend_lens: list[int], prefix_lens: list[int],
+                    rank: int) -> HostMaxima:
         whole_on = self._placement(extend_lens)
         split = [(n, p) for n, p, w in zip(extend_lens, prefix_lens, whole_on) if w == 0]
         host = super().host_maxima([n for n, _ in split], [p for _, p in split], rank)
@@ -146,14 +152,17 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         host.early_rows += sum(mine)
         return host
 
-    def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                 rank: int, local_cap: int, page_size: int, whole_on: torch.Tensor | None = None,
-                 on_host: bool = False) -> CPMetadata:
+    def metadata(self, extend_lens: torch.Tensor, prefix_lens: torch.Tensor,
+                 page_table: torch.Tensor, rank: int, local_cap: int, page_size: int,
+                 whole_on: torch.Tensor | None = None, on_host: bool = False) -> CPMetadata:
         build = zigzag_metadata_host if on_host else zigzag_metadata
-        return build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap, page_size, whole_on)
+        return build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap,
+                     page_size, whole_on)
 
-    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
-        """Last tokens live on the rank each request ran on: zero the rows this rank does not own and sum."""
+    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata,
+                         comm) -> torch.Tensor:  # noqa: ANN001
+        """Last tokens live on the rank each request ran on: zero the rows this rank does not own
+        and sum."""
         rows = rows * meta.logit_owner[:, None].to(rows.dtype)
         comm.all_reduce(rows)
         return rows
