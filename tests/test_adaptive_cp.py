@@ -243,6 +243,31 @@ def test_the_fifteen_percent_check_can_fail():
     assert true.seconds(split, short, [0] * 8) > 1.15 * true.seconds(whole, short, [0] * 8)
 
 
+def test_placement_within_15_percent_of_both_extremes_under_its_model():
+    """Random cost models (per-token 0.1-100 us, per-pair to 10 us, split costs to 10 ms), their
+    lone-request crossover as the threshold, random batches of 1 to 12 requests (1 to 2000
+    tokens), CP 2 and 4: the placement is never more than 15% slower than the better of split
+    everything and keep whole, by the model it was placed with."""
+    rng, ratios = random.Random(0), []
+    for _ in range(40):
+        cp = rng.choice([2, 4])
+        cost = CostModel(10 ** rng.uniform(-7, -4), 10 ** rng.uniform(-12, -7),
+                         10 ** rng.uniform(-8, -4), 10 ** rng.uniform(-3, -1.5),
+                         10 ** rng.uniform(-5, -2))
+        lo, hi = 2 * cp, 1 << 14
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if lone_gain(cost, cp, mid) > cost.per_split else (mid + 1, hi)
+        for _ in range(4):
+            lens = [int(10 ** rng.uniform(0, 3.3)) for _ in range(rng.randint(1, 12))]
+            fresh = [0] * len(lens)
+            ours = cost.seconds(AdaptiveZigzagStrategy(cp, lo, cost), lens, fresh)
+            extremes = [cost.seconds(AdaptiveZigzagStrategy(cp, t), lens, fresh)
+                        for t in (2 * cp, 10 ** 9)]
+            ratios.append((ours / min(extremes), cp, lo, lens, cost))
+    assert max(ratios, key=lambda r: r[0])[0] <= 1.15, max(ratios, key=lambda r: r[0])
+
+
 def test_gather_width_comes_from_the_cache_parts(checkpoint, tmp_path):
     """Dense: K and V of the rank's heads; DeepSeek-V3 (MLA): the 576-wide latent, not K/V heads;
     V3.2 (DSA): the latent and the indexer keys."""

@@ -8,6 +8,7 @@ one graph. The threshold and the placement weights are measured at start (``grap
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from graphcp.cp.host_metadata import zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, zigzag_metadata
 from graphcp.cp.plan import HostMaxima
 from graphcp.cp.strategy import ContextParallelStrategy, ZigzagStrategy
+
+UNSPLIT_CANDIDATES = 8   # placements a batch weighs beyond the threshold's (each an LPT pass)
 
 
 @dataclass(frozen=True)
@@ -88,42 +91,43 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
 
     def for_batch(self, extend_lens: list[int], prefix_lens: list[int]) -> AdaptiveZigzagStrategy:
         """This strategy with the batch's placement decided: requests of >= ``threshold`` new
-        tokens split, the rest whole. Then, smallest first, a split request stays whole while the
-        model says the balance its split buys is worth less than the split's own cost
-        (``per_split``; 0 unless calibrated, so a user's threshold is exact): in a batch of many
-        requests whole ones balance by themselves, and the threshold is where a lone one gains."""
+        tokens split, the rest whole; or, where the model says so, also the smallest few of the
+        split ones (up to ``UNSPLIT_CANDIDATES``) or all of them whole: in a batch of many requests
+        whole ones balance by themselves, and the threshold is where a lone one gains. Only a
+        calibrated model weighs that (``per_split`` > 0): a user's threshold is exact."""
+        works = [self.cost.work(n, p) for n, p in zip(extend_lens, prefix_lens)]
+        longest_first = sorted((i for i, n in enumerate(extend_lens) if n > 0),
+                               key=lambda i: -works[i])
         split = sorted((i for i, n in enumerate(extend_lens) if n >= self.threshold),
                        key=lambda i: extend_lens[i])
-        whole_on, seconds = self._place(extend_lens, prefix_lens, split)
-        while split and self.cost.per_split > 0:
-            fewer, fewer_seconds = self._place(extend_lens, prefix_lens, split[1:])
-            if fewer_seconds >= seconds:
-                break
-            split, whole_on, seconds = split[1:], fewer, fewer_seconds
-        return AdaptiveZigzagStrategy(self.cp_size, self.threshold, self.cost, whole_on,
+        best = self._place(extend_lens, works, longest_first, split)
+        if split and self.cost.per_split > 0:
+            kept = list(range(1, min(len(split), UNSPLIT_CANDIDATES) + 1)) + [len(split)]
+            for k in sorted(set(kept)):
+                best = min(best, self._place(extend_lens, works, longest_first, split[k:]),
+                           key=lambda placed: placed[1])
+        return AdaptiveZigzagStrategy(self.cp_size, self.threshold, self.cost, best[0],
                                       self.calibration)
 
-    def _place(self, extend_lens: list[int], prefix_lens: list[int],
+    def _place(self, extend_lens: list[int], works: list[float], longest_first: list[int],
                split: list[int]) -> tuple[list[int], float]:
         """``split`` requests zigzag, every other one whole on the least-loaded rank (longest work
-        first); and the modelled seconds beyond the fixed cost: the busiest rank's work, the
-        all-gather of the most rows, each split's own cost."""
-        cost, cp = self.cost, self.cp_size
-        loads, rows = [0.0] * cp, [0.0] * cp
-        for i in split:                  # every rank gets an equal share
-            share = cost.work(extend_lens[i], prefix_lens[i]) / cp
-            loads = [x + share for x in loads]
-            rows = [r + extend_lens[i] / cp for r in rows]
-        whole_on, chosen = [0] * len(extend_lens), set(split)
-        shorts = sorted((i for i, n in enumerate(extend_lens) if n > 0 and i not in chosen),
-                        key=lambda i: -cost.work(extend_lens[i], prefix_lens[i]))
-        for i in shorts:
-            rank = min(range(cp), key=lambda r: (loads[r], r))
-            loads[rank] += cost.work(extend_lens[i], prefix_lens[i])
-            rows[rank] += extend_lens[i]
-            whole_on[i] = rank + 1
-        seconds = max(loads) + cost.per_gather_token * max(rows) + cost.per_split * len(split)
-        return whole_on, seconds
+        first, lowest rank on a tie); and the modelled seconds beyond the fixed cost: the busiest
+        rank's work, the all-gather of the most rows, each split's own cost."""
+        cp, chosen = self.cp_size, set(split)
+        share = sum(works[i] for i in split) / cp        # every rank gets an equal share
+        rows = [sum(extend_lens[i] for i in split) / cp] * cp
+        ranks = [(share, r) for r in range(cp)]          # a heap: (load, rank)
+        whole_on = [0] * len(extend_lens)
+        for i in longest_first:
+            if i not in chosen:
+                load, rank = heapq.heappop(ranks)
+                heapq.heappush(ranks, (load + works[i], rank))
+                rows[rank] += extend_lens[i]
+                whole_on[i] = rank + 1
+        busiest = max(load for load, _ in ranks)
+        cost = self.cost
+        return whole_on, busiest + cost.per_gather_token * max(rows) + cost.per_split * len(split)
 
     def _placement(self, extend_lens: list[int]) -> list[int]:
         """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a
