@@ -116,7 +116,8 @@ def calibrate(time_forward: TimeForward, time_gather: Callable[[int], float], av
     """``time_gather(n)``: seconds of every layer's all-gather of ``n`` cache rows; ``average``:
     the mean over the world; ``max_len``: the longest request the engine takes; ``threshold``: the
     user's (then only the placement weights are measured)."""
-    for placement in ("unsharded", "whole", "split"):   # first calls pay one-time costs: untimed
+    timed = ("unsharded",) if threshold else ("unsharded", "whole", "split")
+    for placement in timed:                  # the first calls pay one-time costs: not timed
         time_forward([4 * cp_size], placement)
     start, notes = time.perf_counter(), []
     timer = Timer(time_forward, average, reps)
