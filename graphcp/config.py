@@ -54,6 +54,7 @@ class EngineArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
     disaggregation_transfer_timeout_s: float = 30.0
+    disaggregation_bootstrap_port: int | None = None  # SGLang PD: serve SGLang's bootstrap and protocol here
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
     speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
     enable_adaptive_cp: bool = False                 # short requests whole on one CP rank, long ones zigzag
@@ -122,6 +123,11 @@ class EngineArgs:
                               "--disaggregation-transfer-backend mooncake")
         if self.disaggregation_transfer_timeout_s <= 0:
             raise ConfigError("--disaggregation-transfer-timeout must be > 0 seconds")
+        port = self.disaggregation_bootstrap_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigError(f"--disaggregation-bootstrap-port must be a TCP port (1-65535), got {port!r}")
+        if port is not None and self.disaggregation_mode != "prefill":
+            raise ConfigError("--disaggregation-bootstrap-port needs --disaggregation-mode prefill")
         if self.enable_dsa_cache_layer_split:
             if self.disaggregation_mode != "prefill":
                 raise ConfigError("--enable-dsa-cache-layer-split needs --disaggregation-mode prefill")
@@ -237,6 +243,8 @@ class EngineArgs:
         add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float,
             default=d["disaggregation_transfer_timeout_s"],
             help="seconds a KV transfer may make no progress before it fails with TransferError")
+        add("--disaggregation-bootstrap-port", type=int, default=d["disaggregation_bootstrap_port"],
+            help="speak SGLang's PD protocol (SGLang 0.5.23): its bootstrap server listens on this port")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
         add("--enable-adaptive-cp", action="store_true",

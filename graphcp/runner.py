@@ -271,6 +271,14 @@ class ModelRunner:
         from graphcp.pd.sender import transfer_kv
         return transfer_kv(self.planner, self.sender, rid, destination)
 
+    def sglang_write(self, rid: str, targets: list) -> dict:
+        from graphcp.pd.sglang.rank import sglang_write
+        return sglang_write(self, rid, targets)
+
+    def cached_lens(self, rids: list[str]) -> list[int | None]:
+        from graphcp.pd.sglang.rank import cached_lens
+        return cached_lens(self, rids)
+
     def release(self, rid: str) -> None:
         self.planner.release(rid)
 
