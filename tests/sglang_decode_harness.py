@@ -6,11 +6,14 @@ and ``MooncakeKVManager`` in DECODE mode with a ``MooncakeKVReceiver`` per room,
 the bootstrap address: graphcp, or SGLang's own prefill classes (``--self-check``).
 
 One process is one decode rank. It reads JSON commands on stdin, one per line, and answers one JSON
-line each: ``{"op": "receive", "bootstrap": "host:port", "room": R, "tokens": N}`` allocates pages
+line each: ``{"op": "receive", "decode": NAME, "bootstrap": "host:port", "room": R, "tokens": N,
+"out": PATH}`` (on the decode instance NAME, built at its first command) allocates pages
 (scattered, never page 0), sends the metadata and polls until Success or Failed; the received rows,
 the aux row and whether anything outside the room's pages changed go to ``out`` (torch.save).
 ``{"op": "abort", ...}`` sends the metadata, aborts the room and waits for every ABORT_ACK.
-Run with tests/sglang_stubs on PYTHONPATH (torchvision), SGLANG_HOST_IP and MOONCAKE_PROTOCOL=tcp.
+``{"op": "sample", ...}`` runs SGLang's sampler on one row of logits (the first-token oracle).
+Run with tests/sglang_stubs on PYTHONPATH (torchvision), SGLANG_HOST_IP, MOONCAKE_PROTOCOL=tcp,
+TRITON_INTERPRET=1 and TORCHDYNAMO_DISABLE=1 (the sampler's kernels on the CPU).
 """
 from __future__ import annotations
 
@@ -26,29 +29,39 @@ import torch
 SENTINEL = -7.25            # every pool slot starts as this; a write outside the room's pages shows
 
 
-def build(args: argparse.Namespace):  # noqa: ANN201 - (manager, pool, metadata buffers)
+def publish(args: argparse.Namespace, model_path: str, mode: str = "decode"):  # noqa: ANN201
+    """The process-wide config SGLang's KV manager reads (not the server_args it is given)."""
     from sglang.srt import runtime_context
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-    from sglang.srt.disaggregation.utils import (DisaggregationMode, MetadataBuffers,
-                                                 get_kv_transfer_buf_infos, setup_state_kv_args)
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        init_mooncake_transfer_engine)
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(model_path=args.model_path, disaggregation_mode="decode",
-                             disaggregation_transfer_backend="mooncake", device="cpu", dtype=args.dtype,
+    server_args = ServerArgs(model_path=model_path, disaggregation_mode=mode,
+                             disaggregation_transfer_backend="mooncake", device="cpu",
                              skip_tokenizer_init=True, page_size=args.page_size, tp_size=args.tp_size,
                              disaggregation_bootstrap_port=args.port, port=args.port + 1)
     runtime_context.publish(server_args, role="scheduler",
                             ranks=runtime_context.SpawnRanks(world_rank=args.tp_rank, gpu_id=args.tp_rank))
     runtime_context.get_parallel().override_permanently(pp_group=None)
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine)
     init_mooncake_transfer_engine(os.environ["SGLANG_HOST_IP"], args.tp_rank, None)
-    config = ModelConfig.from_server_args(server_args)
+    return server_args
+
+
+def build(args: argparse.Namespace, server_args, model_path: str, dtype: str,  # noqa: ANN001, ANN201
+          mode: str = "decode"):
+    """One decode instance: (manager, pool buffers, metadata buffers). Several may share the
+    process (and its Mooncake engine), each talking to its own prefill. ``mode`` "prefill": SGLang's
+    own prefill side instead (the self-check)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import (DisaggregationMode, MetadataBuffers,
+                                                 get_kv_transfer_buf_infos, setup_state_kv_args)
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    config = ModelConfig(model_path=model_path, dtype=dtype)      # "auto": SGLang's own resolution
     tokens = args.pages * args.page_size
-    if config.attention_arch.name == "MLA":
+    mla = config.attention_arch.name == "MLA"
+    if mla:
         pool = MLATokenToKVPool(tokens, args.page_size, config.dtype, config.kv_lora_rank,
                                 config.qk_rope_head_dim, config.num_hidden_layers, "cpu", False)
         buffers = pool.kv_buffer
@@ -70,8 +83,9 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (manager, pool, metadata 
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     setup_state_kv_args(kv_args, pool, None, total_kv_layers=config.num_hidden_layers)
     kv_args.ib_device, kv_args.gpu_id = None, args.tp_rank
-    mgr = MooncakeKVManager(kv_args, DisaggregationMode.DECODE, server_args,
-                            is_mla_backend=config.attention_arch.name == "MLA")
+    kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, config.num_hidden_layers
+    kv_args.kv_head_num = kv_args.total_kv_head_num = 1 if mla else config.get_total_num_kv_heads()
+    mgr = MooncakeKVManager(kv_args, DisaggregationMode(mode), server_args, is_mla_backend=mla)
     return mgr, buffers, meta
 
 
@@ -135,23 +149,95 @@ def receive(mgr, buffers, meta, cmd: dict, page_size: int, total_pages: int) -> 
     return {"status": "success", "touched_outside": touched}
 
 
+def sample(cmd: dict) -> dict:
+    """SGLang's own sampler functions on one row of logits (its seeded path, the MurmurHash Triton
+    kernel run by Triton's interpreter): the oracle for graphcp's first token."""
+    import sglang.srt.layers.sampler as sampler
+    from sglang.kernels.ops.sampling.murmur_hash import murmur_hash32_kernel
+
+    def murmur(seed: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((seed.shape[0], columns.shape[0]), dtype=torch.uint32)
+        grid = (seed.shape[0], -(-columns.shape[0] // 1024))
+        murmur_hash32_kernel[grid](seed, positions, columns, out, seed.shape[0], columns.shape[0],
+                                   BLOCK_SIZE=1024)
+        return out
+    sampler.murmur_hash32 = murmur             # its CPU path needs sgl_kernel, not installed here
+    logits = torch.tensor([cmd["logits"]], dtype=torch.float32)
+    p = cmd["params"]
+    if p["temperature"] < 1e-6 or p["top_k"] == 1:
+        return {"token": int(torch.argmax(logits, -1))}
+    probs = torch.softmax(logits / p["temperature"], dim=-1)
+    seed, position = torch.tensor([p["seed"]]), torch.tensor([cmd["position"]])
+    if p["top_k"] == -1 and p["top_p"] >= 1.0 and p["min_p"] <= 0:
+        token = sampler.sampling_from_probs_torch(probs, sampling_seed=seed, positions=position)
+    else:
+        top_k = torch.tensor([p["top_k"] if p["top_k"] != -1 else 1 << 30])
+        token = sampler.top_k_top_p_min_p_sampling_from_probs_torch(
+            probs, top_k, torch.tensor([p["top_p"]]), torch.tensor([p["min_p"]]), False, seed, position)
+    return {"token": int(token[0])}
+
+
+def self_check_prefill(args: argparse.Namespace, model_path: str, dtype: str) -> None:
+    """SGLang's own prefill (bootstrap server, MooncakeKVManager in PREFILL mode, MooncakeKVSender)
+    sends one room from a pool of random rows: ``{"room": R, "tokens": N, "out": PATH}`` on stdin;
+    the rows it sent go to ``out``. If graphcp and this disagree with the harness after an SGLang
+    upgrade, this shows which side broke."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
+    server_args = publish(args, model_path, "prefill")
+    MooncakeKVBootstrapServer(host="127.0.0.1", port=args.port)
+    mgr, buffers, meta = build(args, server_args, model_path, dtype, "prefill")
+    generator = torch.Generator().manual_seed(5)
+    for buf in buffers:
+        buf.copy_(torch.randn(buf.shape, generator=generator).to(buf.dtype))
+    print(json.dumps({"ready": True}), flush=True)
+    cmd = json.loads(sys.stdin.readline())
+    room, tokens, ps = cmd["room"], cmd["tokens"], args.page_size
+    sender = MooncakeKVSender(mgr, f"127.0.0.1:{args.port}", room)
+    deadline = time.monotonic() + 60
+    while sender.poll() != KVPoll.WaitingForInput and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pages = pages_for(room + 1, -(-tokens // ps), args.pages)
+    meta.output_ids[2, 0], meta.bootstrap_room[2, 0] = cmd["first_token"], room
+    sender.init(len(pages), 2)
+    sender.send(pages)
+    while (state := sender.poll()) not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    slots = torch.from_numpy((pages[:, None].astype(np.int64) * ps + np.arange(ps)).reshape(-1))[:tokens]
+    torch.save({"rows": [buf[slots].clone() for buf in buffers]}, cmd["out"])
+    print(json.dumps({"status": "success" if state == KVPoll.Success else f"poll {int(state)}"}), flush=True)
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--decode", action="append", required=True,
+                        help="NAME=MODEL_PATH:DTYPE, a decode instance (built at its first command)")
     parser.add_argument("--port", type=int, required=True, help="this decode's own bootstrap port")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--self-check-prefill", action="store_true",
+                        help="be SGLang's own prefill for the first --decode model instead")
     args = parser.parse_args()
-    mgr, buffers, meta = build(args)
+    specs = {name: spec.rsplit(":", 1) for name, spec in (d.split("=", 1) for d in args.decode)}
+    if args.self_check_prefill:
+        self_check_prefill(args, *next(iter(specs.values())))
+    server_args = publish(args, next(iter(specs.values()))[0])
+    instances: dict = {}
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        reply = receive(mgr, buffers, meta, cmd, args.page_size, args.pages)
+        if cmd["op"] == "sample":
+            print(json.dumps(sample(cmd)), flush=True)
+            continue
+        name = cmd["decode"]
+        if name not in instances:
+            instances[name] = build(args, server_args, *specs[name])
+        reply = receive(*instances[name], cmd, args.page_size, args.pages)
         print(json.dumps(reply), flush=True)
     sys.stdout.flush()
     os._exit(0)                 # SGLang's manager threads never return
