@@ -1,4 +1,4 @@
-"""``graphcp demo | generate | bench | profile | soak | pd-bench | adaptive-bench``: the command line."""
+"""``graphcp demo | generate | bench | profile | soak | pd-bench | adaptive-bench | serve``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "graphcp.tools.demo", "generate": "graphcp.tools.generate", "bench": "graphcp.tools.bench",
                 "profile": "graphcp.tools.profile", "soak": "graphcp.tools.soak", "pd-bench": "graphcp.tools.pd_bench",
-                "adaptive-bench": "graphcp.tools.adaptive_bench"}
+                "adaptive-bench": "graphcp.tools.adaptive_bench", "serve": "graphcp.serve.cli"}
     if not argv or argv[0] not in commands:
-        print("usage: graphcp {demo,generate,bench,profile,soak,pd-bench,adaptive-bench} [engine flags]   "
+        print("usage: graphcp {demo,generate,bench,profile,soak,pd-bench,adaptive-bench,serve} [engine flags]   "
               "(graphcp CMD --help for details)")
         return 2
     import importlib
