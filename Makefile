@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.graphcp-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench profile soak gpu-check clean pd-system-libs
+.PHONY: setup sglang demo test test-fast bench profile soak gpu-check clean pd-system-libs
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory pd-system-libs
@@ -19,6 +19,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# SGLang's own decode-side classes, the reference tests/test_sglang_pd.py checks graphcp's PD protocol
+# against. The version is the protocol: pinned. --no-deps: its metadata pins CUDA torch 2.14 and CUDA
+# packages; only its import closure is installed, torch kept at $(TORCH). Never torchvision: the tests
+# put a stub (tests/sglang_stubs) on the SGLang subprocess's path only.
+SGLANG := sglang==0.5.23
+SGLANG_STAMP := $(VENV)/.sglang-installed
+SGLANG_DEPS := pyzmq aiohttp requests psutil msgspec orjson pybase64 packaging pillow starlette pydantic \
+	ipython prometheus-client dill apache-tvm-ffi==0.1.11 sentencepiece compressed-tensors openai \
+	partial-json-parser einops
+$(SGLANG_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps "$(SGLANG)"
+	echo "$(TORCH)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt $(SGLANG_DEPS)
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
 
 # The Mooncake Transfer Engine ([pd] extra) links these at import. Installed here when running as root
 # (CI); a non-root user is told the one command to ask for. Without them the PD tests skip.
@@ -39,7 +56,7 @@ pd-system-libs:
 demo: $(STAMP)
 	$(PY) -m graphcp demo
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 # For iteration (under 3 minutes): the unit tests, the layouts, and one single-rank engine per family
