@@ -89,7 +89,7 @@ class Engine:
         if args.disaggregation_bootstrap_port is not None:
             from graphcp.pd.sglang.serving import start_control
             try:
-                self._sglang = start_control(self)
+                self._sglang = start_control(args, self._spmd, self._lock, self._call_locked, self.release)
             except BaseException:
                 self.close()
                 raise
@@ -214,7 +214,7 @@ class Engine:
         batch = list(batch) if isinstance(batch, (list, tuple)) else batch
         if isinstance(batch, list) and any(getattr(r, "bootstrap_room", None) is not None for r in batch):
             from graphcp.pd.sglang.serving import prefill_rooms
-            return prefill_rooms(self, batch, count_host_ops, force_eager)
+            return prefill_rooms(self._sglang, self._lock, self._call_locked, batch, count_host_ops, force_eager)
         return self._call("prefill", (batch, count_host_ops, force_eager))
 
     def kv_cache(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:

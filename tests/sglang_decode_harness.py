@@ -15,6 +15,7 @@ the aux row and whether anything outside the room's pages changed go to ``out`` 
 Run with tests/sglang_stubs on PYTHONPATH (torchvision), SGLANG_HOST_IP, MOONCAKE_PROTOCOL=tcp,
 TRITON_INTERPRET=1 and TORCHDYNAMO_DISABLE=1 (the sampler's kernels on the CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,58 +27,100 @@ import time
 import numpy as np
 import torch
 
-SENTINEL = -7.25            # every pool slot starts as this; a write outside the room's pages shows
+SENTINEL = -7.25  # every pool slot starts as this; a write outside the room's pages shows
 
 
 def publish(args: argparse.Namespace, model_path: str, mode: str = "decode"):  # noqa: ANN201
     """The process-wide config SGLang's KV manager reads (not the server_args it is given)."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
-    server_args = ServerArgs(model_path=model_path, disaggregation_mode=mode,
-                             disaggregation_transfer_backend="mooncake", device="cpu",
-                             skip_tokenizer_init=True, page_size=args.page_size, tp_size=args.tp_size,
-                             disaggregation_bootstrap_port=args.port, port=args.port + 1)
-    runtime_context.publish(server_args, role="scheduler",
-                            ranks=runtime_context.SpawnRanks(world_rank=args.tp_rank, gpu_id=args.tp_rank))
+
+    server_args = ServerArgs(
+        model_path=model_path,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend="mooncake",
+        device="cpu",
+        skip_tokenizer_init=True,
+        page_size=args.page_size,
+        tp_size=args.tp_size,
+        disaggregation_bootstrap_port=args.port,
+        port=args.port + 1,
+    )
+    runtime_context.publish(
+        server_args,
+        role="scheduler",
+        ranks=runtime_context.SpawnRanks(world_rank=args.tp_rank, gpu_id=args.tp_rank),
+    )
     runtime_context.get_parallel().override_permanently(pp_group=None)
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        init_mooncake_transfer_engine)
+        init_mooncake_transfer_engine,
+    )
+
     init_mooncake_transfer_engine(os.environ["SGLANG_HOST_IP"], args.tp_rank, None)
     return server_args
 
 
-def build(args: argparse.Namespace, server_args, model_path: str, dtype: str,  # noqa: ANN001, ANN201
-          mode: str = "decode"):
+def build(
+    args: argparse.Namespace,
+    server_args,
+    model_path: str,
+    dtype: str,  # noqa: ANN001, ANN201
+    mode: str = "decode",
+):
     """One decode instance: (manager, pool buffers, metadata buffers). Several may share the
     process (and its Mooncake engine), each talking to its own prefill. ``mode`` "prefill": SGLang's
     own prefill side instead (the self-check)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-    from sglang.srt.disaggregation.utils import (DisaggregationMode, MetadataBuffers,
-                                                 get_kv_transfer_buf_infos, setup_state_kv_args)
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        MetadataBuffers,
+        get_kv_transfer_buf_infos,
+        setup_state_kv_args,
+    )
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
-    config = ModelConfig(model_path=model_path, dtype=dtype)      # "auto": SGLang's own resolution
+    config = ModelConfig(model_path=model_path, dtype=dtype)  # "auto": SGLang's own resolution
     tokens = args.pages * args.page_size
     mla = config.attention_arch.name == "MLA"
     if mla:
-        pool = MLATokenToKVPool(tokens, args.page_size, config.dtype, config.kv_lora_rank,
-                                config.qk_rope_head_dim, config.num_hidden_layers, "cpu", False)
+        pool = MLATokenToKVPool(
+            tokens,
+            args.page_size,
+            config.dtype,
+            config.kv_lora_rank,
+            config.qk_rope_head_dim,
+            config.num_hidden_layers,
+            "cpu",
+            False,
+        )
         buffers = pool.kv_buffer
     else:
         heads = max(1, config.get_total_num_kv_heads() // args.tp_size)
-        pool = MHATokenToKVPool(tokens, args.page_size, config.dtype, heads, config.head_dim,
-                                config.num_hidden_layers, "cpu", False)
+        pool = MHATokenToKVPool(
+            tokens,
+            args.page_size,
+            config.dtype,
+            heads,
+            config.head_dim,
+            config.num_hidden_layers,
+            "cpu",
+            False,
+        )
         buffers = pool.k_buffer + pool.v_buffer
     for buf in buffers:
         buf.fill_(SENTINEL)
-    meta = MetadataBuffers(8, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1)
+    meta = MetadataBuffers(
+        8, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1
+    )
     kv_args = KVArgs()
     kv_args.engine_rank = args.tp_rank
     kv_args.pp_rank, kv_args.system_dp_rank = 0, 0
     kv_args.kv_cache_dtype_str, kv_args.kv_layout = "auto", None
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(
+        pool
+    )
     kv_args.num_draft_entries, kv_args.kv_layer_ids = 0, []
     kv_args.page_size = args.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
@@ -98,6 +141,7 @@ def pages_for(room: int, count: int, total: int) -> np.ndarray:
 def receive(mgr, buffers, meta, cmd: dict, page_size: int, total_pages: int) -> dict:  # noqa: ANN001
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+
     addr, room = cmd["bootstrap"], cmd["room"]
     deadline = time.monotonic() + cmd.get("timeout", 60)
     while not mgr.try_ensure_parallel_info(addr):
@@ -115,7 +159,10 @@ def receive(mgr, buffers, meta, cmd: dict, page_size: int, total_pages: int) -> 
         required = len(receiver.bootstrap_infos)
         while not mgr.is_abort_release_safe(room, required):
             if time.monotonic() > deadline:
-                return {"status": "no-ack", "acks": len(mgr._deferred_abort_ack_tracker[room].prefill_ranks)}
+                return {
+                    "status": "no-ack",
+                    "acks": len(mgr._deferred_abort_ack_tracker[room].prefill_ranks),
+                }
             time.sleep(0.05)
         return {"status": "acked", "acks": required}
     while (state := receiver.poll()) not in (KVPoll.Success, KVPoll.Failed):
@@ -127,23 +174,32 @@ def receive(mgr, buffers, meta, cmd: dict, page_size: int, total_pages: int) -> 
             receiver.failure_exception()
         except Exception as e:  # noqa: BLE001 - SGLang's KVTransferError carries the prefill's reason
             return {"status": "failed", "reason": str(e)}
-    while int(meta.bootstrap_room[aux_index, 0]) == 0:     # the decode's readiness gate
+    while int(meta.bootstrap_room[aux_index, 0]) == 0:  # the decode's readiness gate
         if time.monotonic() > deadline:
             return {"status": "no-aux"}
         time.sleep(0.01)
-    slots = torch.from_numpy((pages[:, None].astype(np.int64) * page_size + np.arange(page_size)).reshape(-1))
-    slots = slots[:cmd["tokens"]]
+    slots = torch.from_numpy(
+        (pages[:, None].astype(np.int64) * page_size + np.arange(page_size)).reshape(-1)
+    )
+    slots = slots[: cmd["tokens"]]
     mask = torch.ones(buffers[0].shape[0], dtype=torch.bool)
-    mask[torch.from_numpy(pages.astype(np.int64)[:, None] * page_size + np.arange(page_size)).reshape(-1)] = False
+    mask[
+        torch.from_numpy(
+            pages.astype(np.int64)[:, None] * page_size + np.arange(page_size)
+        ).reshape(-1)
+    ] = False
     touched = sum(int((buf[mask] != SENTINEL).any(dim=-1).sum()) for buf in buffers)
     rows = [buf[slots].clone() for buf in buffers]
-    for buf in buffers:                                     # the pages are free again for the next room
+    for buf in buffers:  # the pages are free again for the next room
         buf[~mask] = SENTINEL
-    aux = {"output_id": int(meta.output_ids[aux_index, 0]), "room": int(meta.bootstrap_room[aux_index, 0]),
-           "cached_tokens": meta.cached_tokens[aux_index].tolist(),
-           "logprob": float(meta.output_token_logprobs_val[aux_index, 0]),
-           "top_logprobs": meta.output_top_logprobs_val[aux_index].tolist(),
-           "top_ids": meta.output_top_logprobs_idx[aux_index].tolist()}
+    aux = {
+        "output_id": int(meta.output_ids[aux_index, 0]),
+        "room": int(meta.bootstrap_room[aux_index, 0]),
+        "cached_tokens": meta.cached_tokens[aux_index].tolist(),
+        "logprob": float(meta.output_token_logprobs_val[aux_index, 0]),
+        "top_logprobs": meta.output_top_logprobs_val[aux_index].tolist(),
+        "top_ids": meta.output_top_logprobs_idx[aux_index].tolist(),
+    }
     torch.save({"rows": rows, "aux": aux}, cmd["out"])
     receiver.clear()
     return {"status": "success", "touched_outside": touched}
@@ -158,10 +214,12 @@ def sample(cmd: dict) -> dict:
     def murmur(seed: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         out = torch.empty((seed.shape[0], columns.shape[0]), dtype=torch.uint32)
         grid = (seed.shape[0], -(-columns.shape[0] // 1024))
-        murmur_hash32_kernel[grid](seed, positions, columns, out, seed.shape[0], columns.shape[0],
-                                   BLOCK_SIZE=1024)
+        murmur_hash32_kernel[grid](
+            seed, positions, columns, out, seed.shape[0], columns.shape[0], BLOCK_SIZE=1024
+        )
         return out
-    sampler.murmur_hash32 = murmur             # its CPU path needs sgl_kernel, not installed here
+
+    sampler.murmur_hash32 = murmur  # its CPU path needs sgl_kernel, not installed here
     logits = torch.tensor([cmd["logits"]], dtype=torch.float32)
     p = cmd["params"]
     if p["temperature"] < 1e-6 or p["top_k"] == 1:
@@ -173,7 +231,14 @@ def sample(cmd: dict) -> dict:
     else:
         top_k = torch.tensor([p["top_k"] if p["top_k"] != -1 else 1 << 30])
         token = sampler.top_k_top_p_min_p_sampling_from_probs_torch(
-            probs, top_k, torch.tensor([p["top_p"]]), torch.tensor([p["min_p"]]), False, seed, position)
+            probs,
+            top_k,
+            torch.tensor([p["top_p"]]),
+            torch.tensor([p["min_p"]]),
+            False,
+            seed,
+            position,
+        )
     return {"token": int(token[0])}
 
 
@@ -184,6 +249,7 @@ def self_check_prefill(args: argparse.Namespace, model_path: str, dtype: str) ->
     upgrade, this shows which side broke."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
+
     server_args = publish(args, model_path, "prefill")
     MooncakeKVBootstrapServer(host="127.0.0.1", port=args.port)
     mgr, buffers, meta = build(args, server_args, model_path, dtype, "prefill")
@@ -201,25 +267,40 @@ def self_check_prefill(args: argparse.Namespace, model_path: str, dtype: str) ->
     meta.output_ids[2, 0], meta.bootstrap_room[2, 0] = cmd["first_token"], room
     sender.init(len(pages), 2)
     sender.send(pages)
-    while (state := sender.poll()) not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+    while (state := sender.poll()) not in (
+        KVPoll.Success,
+        KVPoll.Failed,
+    ) and time.monotonic() < deadline:
         time.sleep(0.02)
-    slots = torch.from_numpy((pages[:, None].astype(np.int64) * ps + np.arange(ps)).reshape(-1))[:tokens]
+    slots = torch.from_numpy((pages[:, None].astype(np.int64) * ps + np.arange(ps)).reshape(-1))[
+        :tokens
+    ]
     torch.save({"rows": [buf[slots].clone() for buf in buffers]}, cmd["out"])
-    print(json.dumps({"status": "success" if state == KVPoll.Success else f"poll {int(state)}"}), flush=True)
+    print(
+        json.dumps({"status": "success" if state == KVPoll.Success else f"poll {int(state)}"}),
+        flush=True,
+    )
     os._exit(0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--decode", action="append", required=True,
-                        help="NAME=MODEL_PATH:DTYPE, a decode instance (built at its first command)")
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        help="NAME=MODEL_PATH:DTYPE, a decode instance (built at its first command)",
+    )
     parser.add_argument("--port", type=int, required=True, help="this decode's own bootstrap port")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--tp-rank", type=int, default=0)
-    parser.add_argument("--self-check-prefill", action="store_true",
-                        help="be SGLang's own prefill for the first --decode model instead")
+    parser.add_argument(
+        "--self-check-prefill",
+        action="store_true",
+        help="be SGLang's own prefill for the first --decode model instead",
+    )
     args = parser.parse_args()
     specs = {name: spec.rsplit(":", 1) for name, spec in (d.split("=", 1) for d in args.decode)}
     if args.self_check_prefill:
@@ -240,7 +321,7 @@ def main() -> None:
         reply = receive(*instances[name], cmd, args.page_size, args.pages)
         print(json.dumps(reply), flush=True)
     sys.stdout.flush()
-    os._exit(0)                 # SGLang's manager threads never return
+    os._exit(0)  # SGLang's manager threads never return
 
 
 if __name__ == "__main__":

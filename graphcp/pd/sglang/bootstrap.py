@@ -6,16 +6,32 @@ that rank's ZMQ endpoint. ``GET /health`` is the decode's heartbeat. ``POST /reg
 ``POST /query_dp_ranks`` serve DP routing when the room does not choose the DP rank (graphcp
 registers follow_bootstrap_room, so they only echo what was registered).
 """
+
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from graphcp.errors import ConfigError
 
-Rank = tuple[int, int, int, int]                 # (dp, cp, tp, pp)
+Rank = tuple[int, int, int, int]  # (dp, cp, tp, pp)
+
+
+def local_ip() -> str:
+    """The address decode workers reach this engine on: SGLang's own ``SGLANG_HOST_IP`` when set,
+    else the interface of the default route (127.0.0.1 on a machine without one)."""
+    if os.environ.get("SGLANG_HOST_IP"):
+        return os.environ["SGLANG_HOST_IP"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 class BootstrapServer:
@@ -30,8 +46,9 @@ class BootstrapServer:
         except OSError as e:
             raise ConfigError(f"--disaggregation-bootstrap-port {port}: cannot listen ({e})") from e
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="graphcp-bootstrap",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="graphcp-bootstrap", daemon=True
+        )
         self.thread.start()
 
     def route(self, query: dict[str, list[str]]) -> tuple[int, object]:
@@ -55,13 +72,15 @@ class BootstrapServer:
 class _Handler(BaseHTTPRequestHandler):
     server_state: BootstrapServer
 
-    def log_message(self, *args: object) -> None:      # the decode polls /health every few seconds
+    def log_message(self, *args: object) -> None:  # the decode polls /health every few seconds
         pass
 
     def _reply(self, code: int, body: object) -> None:
         data = (json.dumps(body) if not isinstance(body, str) else body).encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/plain")
+        self.send_header(
+            "Content-Type", "application/json" if not isinstance(body, str) else "text/plain"
+        )
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -12,16 +12,16 @@ the endpoint that got it once no write to the room is in flight.
 Which endpoints a decode contacts: every attention-TP rank whatever the decode's TP (SGLang maps
 each decode rank to one or more of them), every pipeline stage, all CP ranks when the layers are
 split over them (registered as ``enable_dsa_cache_layer_split``) else CP rank 0 only, and the DP
-rank ``room % dp_size`` (``follow_bootstrap_room``). That DP rank is a label: the DP group that holds
-the request writes it.
+rank ``room % dp_size`` (``follow_bootstrap_room``). That DP rank is a label: the DP group that
+holds the request writes it.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
@@ -29,43 +29,39 @@ import zmq
 from graphcp.errors import RequestError
 from graphcp.pd.sglang.bootstrap import BootstrapServer, Rank
 from graphcp.pd.sglang.geometry import Geometry, Target
+from graphcp.pd.sglang.rooms import Outbox, Room, room_targets
 from graphcp.pd.sglang.sampling import AUX_BUFFERS, FirstToken, aux_rows
-from graphcp.pd.sglang.wire import Abort, Metadata, Registration, WireError, ack_frames, aux_frames, parse
-from graphcp.pd.sglang.wire import status_frames
+from graphcp.pd.sglang.wire import (
+    Abort,
+    Metadata,
+    Registration,
+    WireError,
+    ack_frames,
+    aux_frames,
+    parse,
+    status_frames,
+)
 
 log = logging.getLogger("graphcp")
-WAIT_TIMEOUT_S = 300.0       # a room still missing its forward or its metadata then fails (SGLang's)
-HISTORY = 4096               # concluded transfers whose status stays queryable
-
-
-@dataclass
-class Room:
-    room: int
-    rid: str | None = None
-    tokens: int = 0
-    first: FirstToken | None = None
-    state: str = "waiting"                    # waiting | transferring | success | failed
-    reason: str | None = None
-    infos: dict[Rank, dict[str, Metadata]] = field(default_factory=dict)
-    dp_label: int | None = None
-    acks: list[tuple[Rank, Abort]] = field(default_factory=list)
-    since: float = field(default_factory=time.monotonic)
-
-    def status(self) -> dict:
-        first = self.first
-        return {"state": self.state, "reason": self.reason, "bootstrap_room": self.room,
-                "first_token": first.token if first else None,
-                "logprob": first.logprob if first else None,
-                "top_logprobs": list(zip(first.top_logprobs, first.top_ids)) if first else None}
+WAIT_TIMEOUT_S = 300.0  # a room still missing its forward or its metadata then fails (SGLang's)
+HISTORY = 4096  # concluded transfers whose status stays queryable
 
 
 class PrefillControl:
     """``transfer(rid, targets)`` runs the writes on the ranks and returns an error per target
     index (None: written); ``release(rid)`` frees the request's pages."""
 
-    def __init__(self, geo: Geometry, dp_size: int, cp_size: int, layer_split: bool, host: str,
-                 port: int, transfer: Callable[[str, list[Target]], list],
-                 release: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        geo: Geometry,
+        dp_size: int,
+        cp_size: int,
+        layer_split: bool,
+        host: str,
+        port: int,
+        transfer: Callable[[str, list[Target]], list],
+        release: Callable[[str], None],
+    ) -> None:
         self.geo, self.dp_size, self.cp_size, self.host = geo, dp_size, cp_size, host
         self.pp_size, self.layer_split = len(geo.stages), layer_split
         self.transfer, self.release = transfer, release
@@ -76,31 +72,45 @@ class PrefillControl:
         self._cond = threading.Condition()
         self._stop = False
         self._ctx = zmq.Context()
-        self._push: dict[tuple[str, int], zmq.Socket] = {}
-        self._push_lock = threading.Lock()
+        self._outbox = Outbox(self._ctx)
         self._pull: dict[zmq.Socket, Rank] = {}
         endpoints = {}
         for rank in self._ranks():
             sock = self._ctx.socket(zmq.PULL)
             endpoints[rank] = (host, sock.bind_to_random_port(f"tcp://{host}"))
             self._pull[sock] = rank
-        info = {"attn_tp_size": geo.attn_tp_size, "attn_cp_size": cp_size, "dp_size": dp_size,
-                "pp_size": self.pp_size, "page_size": geo.page_size, "kv_cache_dtype": None,
-                "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": layer_split,
-                "enable_kv_cache_sharding": False, "decode_allocation_policy": "early"}
+        info = {
+            "attn_tp_size": geo.attn_tp_size,
+            "attn_cp_size": cp_size,
+            "dp_size": dp_size,
+            "pp_size": self.pp_size,
+            "page_size": geo.page_size,
+            "kv_cache_dtype": None,
+            "follow_bootstrap_room": True,
+            "enable_dsa_cache_layer_split": layer_split,
+            "enable_kv_cache_sharding": False,
+            "decode_allocation_policy": "early",
+        }
         try:
             self.bootstrap = BootstrapServer(port, info, endpoints)
         except BaseException:
             self._close_sockets()
             raise
-        self._threads = [threading.Thread(target=self._receive, name="graphcp-pd-recv", daemon=True),
-                         threading.Thread(target=self._work, name="graphcp-pd-work", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._receive, name="graphcp-pd-recv", daemon=True),
+            threading.Thread(target=self._work, name="graphcp-pd-work", daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
     def _ranks(self) -> list[Rank]:
-        return [(d, c, t, p) for d in range(self.dp_size) for c in range(self.cp_size)
-                for t in range(self.geo.attn_tp_size) for p in range(self.pp_size)]
+        return [
+            (d, c, t, p)
+            for d in range(self.dp_size)
+            for c in range(self.cp_size)
+            for t in range(self.geo.attn_tp_size)
+            for p in range(self.pp_size)
+        ]
 
     def unique_rank(self, rank: Rank) -> int:
         """SGLang's prefill_unique_rank: the decode counts Success from distinct ones."""
@@ -110,15 +120,20 @@ class PrefillControl:
     # -- the engine's side -----------------------------------------------------------------------
     def check(self, rid: str, room: object) -> None:
         if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 1 << 64:
-            raise RequestError(f"request {rid!r}: bootstrap_room must be an integer in [1, 2**64), got "
-                               f"{room!r} (SGLang's decode never accepts room 0)")
+            raise RequestError(
+                f"request {rid!r}: bootstrap_room must be an integer in [1, 2**64), got "
+                f"{room!r} (SGLang's decode never accepts room 0)"
+            )
         with self._cond:
             other = self.rooms.get(room)
             if other is not None and other.rid not in (None, rid):
-                raise RequestError(f"request {rid!r}: bootstrap_room {room} is in use by request "
-                                   f"{other.rid!r}")
+                raise RequestError(
+                    f"request {rid!r}: bootstrap_room {room} is in use by request {other.rid!r}"
+                )
             if rid in self.by_rid and self.by_rid[rid] != room:
-                raise RequestError(f"request {rid!r} already waits on bootstrap_room {self.by_rid[rid]}")
+                raise RequestError(
+                    f"request {rid!r} already waits on bootstrap_room {self.by_rid[rid]}"
+                )
 
     def forward_done(self, rid: str, room: int, tokens: int, first: FirstToken) -> None:
         """``rid`` (``tokens`` long) is prefilled: its transfer runs once the decode is there."""
@@ -136,7 +151,9 @@ class PrefillControl:
                 return self.rooms[self.by_rid[rid]].status()
             if rid in self.history:
                 return dict(self.history[rid])
-        raise RequestError(f"request {rid!r} has no SGLang transfer: prefill it with a bootstrap_room")
+        raise RequestError(
+            f"request {rid!r} has no SGLang transfer: prefill it with a bootstrap_room"
+        )
 
     def live(self, rid: str) -> bool:
         """The room of ``rid`` may still be written (checked under the engine's lock)."""
@@ -163,7 +180,8 @@ class PrefillControl:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in [*self._pull, *self._push.values()]:
+        self._outbox.close()
+        for sock in self._pull:
             sock.close(linger=0)
         self._ctx.term()
 
@@ -178,15 +196,20 @@ class PrefillControl:
                 try:
                     self._handle(self._pull[sock], parse(frames))
                 except WireError as e:
-                    log.warning("graphcp: dropped a message on %s that is not SGLang's: %s",
-                                self._pull[sock], e)
+                    log.warning(
+                        "graphcp: dropped a message on %s that is not SGLang's: %s",
+                        self._pull[sock],
+                        e,
+                    )
 
     def _handle(self, rank: Rank, msg: Registration | Metadata | Abort) -> None:
         with self._cond:
             if isinstance(msg, Registration):
                 reason = self.geo.check(msg, rank[3]) or self._check_aux(msg)
                 if reason:
-                    log.warning("graphcp: refusing KV transfers to decode %s: %s", msg.session, reason)
+                    log.warning(
+                        "graphcp: refusing KV transfers to decode %s: %s", msg.session, reason
+                    )
                 self.registrations[rank, msg.session] = reason or msg
                 return
             room = self.rooms.setdefault(msg.room, Room(msg.room))
@@ -202,16 +225,25 @@ class PrefillControl:
             self._cond.notify_all()
 
     def _check_aux(self, reg: Registration) -> str | None:
-        if len(reg.aux_ptrs) in (AUX_BUFFERS, AUX_BUFFERS + 1):    # + SGLang's optional KV checksum row
+        if len(reg.aux_ptrs) in (
+            AUX_BUFFERS,
+            AUX_BUFFERS + 1,
+        ):  # + SGLang's optional KV checksum row
             return None
-        return (f"the decode registered {len(reg.aux_ptrs)} metadata buffers; graphcp writes SGLang's "
-                f"{AUX_BUFFERS} (turn off SGLANG_ENABLE_DISAGG_SAMPLING_MASK on the decode)")
+        return (
+            f"the decode registered {len(reg.aux_ptrs)} metadata buffers; graphcp writes SGLang's "
+            f"{AUX_BUFFERS} (turn off SGLANG_ENABLE_DISAGG_SAMPLING_MASK on the decode)"
+        )
 
     # -- the worker ------------------------------------------------------------------------------
     def _expected(self, room: Room) -> list[Rank]:
         cps = range(self.cp_size) if self.layer_split else range(1)
-        return [(room.dp_label, c, t, p) for c in cps for t in range(self.geo.attn_tp_size)
-                for p in range(self.pp_size)]
+        return [
+            (room.dp_label, c, t, p)
+            for c in cps
+            for t in range(self.geo.attn_tp_size)
+            for p in range(self.pp_size)
+        ]
 
     def _ready(self, room: Room) -> bool:
         if room.state != "waiting" or room.rid is None or room.dp_label is None:
@@ -231,12 +263,18 @@ class PrefillControl:
                 now = time.monotonic()
                 for room in list(self.rooms.values()):
                     if room.state == "waiting" and now - room.since > WAIT_TIMEOUT_S:
-                        missing = "its prefill request" if room.rid is None else "the decode's metadata"
+                        missing = (
+                            "its prefill request" if room.rid is None else "the decode's metadata"
+                        )
                         self._fail(room, f"{missing} did not arrive within {WAIT_TIMEOUT_S:.0f} s")
                     if room.state != "transferring":
                         self._send_acks(room)
-                    if room.state == "failed" and (room.rid is not None or now - room.since > WAIT_TIMEOUT_S):
-                        done.append(self._finish(room))    # (an aborted room no prefill came for: forgotten)
+                    if room.state == "failed" and (
+                        room.rid is not None or now - room.since > WAIT_TIMEOUT_S
+                    ):
+                        done.append(
+                            self._finish(room)
+                        )  # (an aborted room no prefill came for: forgotten)
                 ready = next((r for r in self.rooms.values() if self._ready(r)), None)
                 if ready is not None:
                     ready.state = "transferring"
@@ -248,7 +286,7 @@ class PrefillControl:
 
     def _run(self, room: Room) -> None:
         metas = [(rank, m) for rank in self._expected(room) for m in room.infos[rank].values()]
-        targets, reason = self._targets(room, metas)
+        targets, reason = room_targets(room, metas, self.registrations, self.geo.page_size)
         if reason is None:
             try:
                 errors = self.transfer(room.rid, targets)
@@ -260,8 +298,13 @@ class PrefillControl:
                 if reason is None:
                     for rank, meta in metas:
                         if not meta.dummy:
-                            self._send(meta, *(aux_frames(room.room, i, meta.aux_index, row)
-                                               for i, row in enumerate(aux_rows(room.first, room.room))))
+                            self._send(
+                                meta,
+                                *(
+                                    aux_frames(room.room, i, meta.aux_index, row)
+                                    for i, row in enumerate(aux_rows(room.first, room.room))
+                                ),
+                            )
                     room.state = "success"
                     self._send_status(room, metas)
                 else:
@@ -270,25 +313,6 @@ class PrefillControl:
             rid = self._finish(room)
         self._release([rid])
 
-    def _targets(self, room: Room, metas: list[tuple[Rank, Metadata]]) -> tuple[list[Target], str | None]:
-        ps, targets = self.geo.page_size, []
-        for (_, cp, tp, pp), meta in metas:
-            if meta.dummy:
-                continue
-            reg = self.registrations.get(((room.dp_label, cp, tp, pp), meta.session))
-            if not isinstance(reg, Registration):
-                return [], reg or f"decode session {meta.session} sent metadata before registering its pool"
-            if meta.has_state:
-                return [], "the decode asked for state pages (DSA indexer, SWA, mamba), which graphcp does not send"
-            pages = -(-(room.tokens - meta.decode_prefix_len) // ps)
-            if meta.decode_prefix_len % ps or len(meta.pages) != pages:
-                return [], (f"the decode expects {len(meta.pages)} pages past its cached prefix of "
-                            f"{meta.decode_prefix_len} tokens; graphcp holds {room.tokens} tokens of request "
-                            f"{room.rid!r} ({pages} pages of {ps}): the two tokenized different prompts")
-            targets.append(Target(cp, tp, pp, meta.session, reg.kv_ptrs, reg.kv_item_lens, reg.tp_rank,
-                                  reg.attn_tp_size, meta.pages, meta.decode_prefix_len))
-        return targets, None
-
     # -- prefill -> decode (called with the lock held) -------------------------------------------
     def _fail(self, room: Room, reason: str, notify: bool = True) -> None:
         """Failed (the decode is told, with the reason, unless it aborted the room itself)."""
@@ -296,7 +320,9 @@ class PrefillControl:
             return
         room.state, room.reason, room.since = "failed", reason, time.monotonic()
         if notify:
-            self._send_status(room, [(rank, m) for rank, ms in room.infos.items() for m in ms.values()])
+            self._send_status(
+                room, [(rank, m) for rank, ms in room.infos.items() for m in ms.values()]
+            )
 
     def _finish(self, room: Room) -> str | None:
         """Forget a concluded room but its status; the rid whose pages are to be released."""
@@ -329,22 +355,12 @@ class PrefillControl:
         while room.acks:
             rank, abort = room.acks.pop()
             if abort.decode_ip is not None and abort.generation is not None:
-                self._send_to(abort.decode_ip, abort.decode_port,
-                              ack_frames(room.room, self.unique_rank(rank), abort.generation))
+                self._outbox.send(
+                    abort.decode_ip,
+                    abort.decode_port,
+                    ack_frames(room.room, self.unique_rank(rank), abort.generation),
+                )
 
     def _send(self, meta: Metadata, *messages: list[bytes]) -> None:
         for frames in messages:
-            self._send_to(meta.decode_ip, meta.decode_port, frames)
-
-    def _send_to(self, ip: str, port: int, frames: list[bytes]) -> None:
-        with self._push_lock:
-            sock = self._push.get((ip, port))
-            if sock is None:
-                sock = self._push[ip, port] = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDTIMEO, 5000)
-                sock.connect(f"tcp://{ip}:{port}")
-            try:
-                sock.send_multipart(frames)
-            except zmq.ZMQError as e:
-                log.warning("graphcp: could not reach decode %s:%s (%s)", ip, port, e)
+            self._outbox.send(meta.decode_ip, meta.decode_port, frames)

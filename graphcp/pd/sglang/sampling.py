@@ -10,6 +10,7 @@ deterministic path SGLang takes under ``--enable-deterministic-inference`` (seed
 the temperature. The decode reads the top-``top_logprobs_num`` entries of a top-128 list, so every
 row carries the top 128.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,22 @@ import torch
 
 from graphcp.errors import RequestError
 
-AUX_BUFFERS = 10                      # MetadataBuffers.get_buf_infos() with SGLang's defaults
-TOP_LOGPROBS = 128                    # MetadataBuffers' max_top_logprobs_num
-DEFAULT_SEED = 42                     # SGLang's seed for a request without sampling_seed
-_EPS = 1e-6                           # SGLang's _SAMPLING_EPS
+AUX_BUFFERS = 10  # MetadataBuffers.get_buf_infos() with SGLang's defaults
+TOP_LOGPROBS = 128  # MetadataBuffers' max_top_logprobs_num
+DEFAULT_SEED = 42  # SGLang's seed for a request without sampling_seed
+_EPS = 1e-6  # SGLang's _SAMPLING_EPS
 # Fields that change the first token in ways graphcp does not reproduce (refused, naming them);
 # everything else in SGLang's sampling_params only shapes later tokens or the text.
-_REFUSED = {"json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-            "logit_bias": None, "min_new_tokens": 0, "custom_params": None, "watermark": None}
+_REFUSED = {
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "min_new_tokens": 0,
+    "custom_params": None,
+    "watermark": None,
+}
 
 
 @dataclass(frozen=True)
@@ -45,22 +54,36 @@ class SamplingParams:
         params = {k: v for k, v in (params or {}).items() if v is not None}
         for key, default in _REFUSED.items():
             if key in params and params[key] not in (default, "", {}, []):
-                raise RequestError(f"request {rid!r}: sampling_params[{key!r}] changes the first token "
-                                   f"and graphcp's prefill does not apply it")
-        values = {k: params[k] for k in ("temperature", "top_p", "top_k", "min_p", "sampling_seed")
-                  if k in params}
+                raise RequestError(
+                    f"request {rid!r}: sampling_params[{key!r}] changes the first token "
+                    f"and graphcp's prefill does not apply it"
+                )
+        values = {
+            k: params[k]
+            for k in ("temperature", "top_p", "top_k", "min_p", "sampling_seed")
+            if k in params
+        }
         try:
-            out = cls(**{k: (int(v) if k in ("top_k", "sampling_seed") else float(v))
-                         for k, v in values.items()})
+            out = cls(
+                **{
+                    k: (int(v) if k in ("top_k", "sampling_seed") else float(v))
+                    for k, v in values.items()
+                }
+            )
         except (TypeError, ValueError) as e:
             raise RequestError(f"request {rid!r}: sampling_params: {e}") from e
-        checks = (("temperature", math.isfinite(out.temperature) and out.temperature >= 0, ">= 0"),
-                  ("top_p", 0 < out.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= out.min_p <= 1, "in [0, 1]"),
-                  ("top_k", out.top_k == -1 or out.top_k >= 1, "-1 or >= 1"))
+        checks = (
+            ("temperature", math.isfinite(out.temperature) and out.temperature >= 0, ">= 0"),
+            ("top_p", 0 < out.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= out.min_p <= 1, "in [0, 1]"),
+            ("top_k", out.top_k == -1 or out.top_k >= 1, "-1 or >= 1"),
+        )
         for key, ok, rule in checks:
             if not ok:
-                raise RequestError(f"request {rid!r}: sampling_params[{key!r}] must be {rule}, "
-                                   f"got {getattr(out, key)!r}")
+                raise RequestError(
+                    f"request {rid!r}: sampling_params[{key!r}] must be {rule}, "
+                    f"got {getattr(out, key)!r}"
+                )
         return out
 
     @property
@@ -72,7 +95,7 @@ class SamplingParams:
 class FirstToken:
     token: int
     logprob: float
-    top_ids: list[int]                 # the 128 likeliest tokens, best first
+    top_ids: list[int]  # the 128 likeliest tokens, best first
     top_logprobs: list[float]
 
 
@@ -86,12 +109,12 @@ def first_token(logits: torch.Tensor, params: SamplingParams, position: int) -> 
         probs = torch.softmax(logits / params.temperature, dim=-1)
         logprobs = torch.log(probs)
         if params.top_k == -1 and params.top_p >= 1.0 and params.min_p <= 0.0:
-            weights, order = logprobs.double(), None         # SGLang's log in float32, then float64
+            weights, order = logprobs.double(), None  # SGLang's log in float32, then float64
         else:
             sorted_probs, order = probs.sort(descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             if params.top_k != -1:
-                sorted_probs[params.top_k:] = 0.0
+                sorted_probs[params.top_k :] = 0.0
             sorted_probs[before > params.top_p] = 0.0
             if params.min_p > 0:
                 sorted_probs[sorted_probs < sorted_probs[0] * params.min_p] = 0.0
@@ -100,7 +123,9 @@ def first_token(logits: torch.Tensor, params: SamplingParams, position: int) -> 
         pick = gumbel_argmax(weights.numpy(), seed, position)
         token = int(order[pick]) if order is not None else pick
     top = torch.topk(logprobs, min(TOP_LOGPROBS, logprobs.numel()))
-    return FirstToken(token, float(logprobs[token]), top.indices.tolist(), top.values.float().tolist())
+    return FirstToken(
+        token, float(logprobs[token]), top.indices.tolist(), top.values.float().tolist()
+    )
 
 
 def _mix(h: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -133,7 +158,7 @@ def gumbel_argmax(logprobs: np.ndarray, seed: int, position: int) -> int:
     """``multinomial_with_seed`` for one row: argmax of logprobs plus Gumbel noise from the hash."""
     uniform = murmur_hash(seed, position, np.arange(logprobs.size)).astype(np.float64) / 0xFFFFFFFF
     with np.errstate(divide="ignore"):
-        noise = np.clip(np.log(uniform), np.finfo(np.float64).min, -(2.0 ** -32))
+        noise = np.clip(np.log(uniform), np.finfo(np.float64).min, -(2.0**-32))
     noise = -np.log(-noise)
     return int(np.argmax(noise + logprobs.astype(np.float64)))
 
@@ -143,14 +168,24 @@ def aux_rows(first: FirstToken, room: int) -> list[bytes]:
     cached_tokens (graphcp has no prefix cache: 0), the token's logprob and id, the top-128 logprobs
     and ids, topk_p / topk_index / hidden_states (speculative decoding only: zeros), bootstrap_room.
     (The DSA seed row comes only with DSA models, which this path refuses.)"""
+
     def row(width: int, dtype: type, head: list | None = None) -> bytes:
         values = np.zeros(width, dtype=dtype)
         if head:
-            values[:len(head)] = head
+            values[: len(head)] = head
         return values.tobytes()
-    rows = [row(16, np.int32, [first.token]), row(16, np.int32),
-            row(16, np.float32, [first.logprob]), row(16, np.int32, [first.token]),
-            row(TOP_LOGPROBS, np.float32, first.top_logprobs), row(TOP_LOGPROBS, np.int32, first.top_ids),
-            row(16, np.float32), row(16, np.int64), row(16, np.float32), row(8, np.uint64, [room])]
+
+    rows = [
+        row(16, np.int32, [first.token]),
+        row(16, np.int32),
+        row(16, np.float32, [first.logprob]),
+        row(16, np.int32, [first.token]),
+        row(TOP_LOGPROBS, np.float32, first.top_logprobs),
+        row(TOP_LOGPROBS, np.int32, first.top_ids),
+        row(16, np.float32),
+        row(16, np.int64),
+        row(16, np.float32),
+        row(8, np.uint64, [room]),
+    ]
     assert len(rows) == AUX_BUFFERS
     return rows

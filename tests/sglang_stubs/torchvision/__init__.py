@@ -2,6 +2,7 @@
 harness): SGLang 0.5.23's config modules import ``torchvision.transforms`` at import time, the only
 torchvision wheels are built for CUDA torch, and the PD path never calls it. It has no dist-info,
 so transformers still sees torchvision as absent."""
+
 from __future__ import annotations
 
 import sys
@@ -37,8 +38,17 @@ class _InertModule(types.ModuleType):
 
 
 __version__ = "0.0.0"
-for _name in ("transforms", "transforms.functional", "transforms.v2", "transforms.v2.functional",
-              "io", "ops", "datasets", "models", "utils"):
+for _name in (
+    "transforms",
+    "transforms.functional",
+    "transforms.v2",
+    "transforms.v2.functional",
+    "io",
+    "ops",
+    "datasets",
+    "models",
+    "utils",
+):
     sys.modules[f"{__name__}.{_name}"] = _InertModule(f"{__name__}.{_name}")
 transforms = sys.modules[f"{__name__}.transforms"]
 io = sys.modules[f"{__name__}.io"]
