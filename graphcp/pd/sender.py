@@ -151,7 +151,7 @@ def start_sender(args: EngineArgs, model_config: ModelConfig, pool: PagedPool,
         return None
     host = "127.0.0.1"
     if args.disaggregation_bootstrap_port is not None:      # decode workers elsewhere reach this engine
-        from graphcp.pd.sglang.serving import local_ip
+        from graphcp.pd.sglang.bootstrap import local_ip
         host = local_ip()
     return KVSender(pool, model_config, par.layers, args.cp_size, par.me.cp_rank, par.me.attn_tp_rank,
                     args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s, host)
