@@ -203,23 +203,32 @@ class EngineArgs:
         add, d = parser.add_argument, _DEFAULTS
         add("--model-path", required=require_model,
             help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
-        add("--dtype", default=d["dtype"], choices=DTYPES)
-        add("--device", default=d["device"], choices=DEVICES)
-        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"])
-        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"])
-        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"])
-        add("--attn-cp-size", type=int, default=d["attn_cp_size"])
-        add("--enable-prefill-cp", action="store_true")
+        add("--dtype", default=d["dtype"], choices=DTYPES,
+            help="compute dtype: auto is bf16 on CUDA, fp32 on CPU (FP8 weights stay FP8)")
+        add("--device", default=d["device"], choices=DEVICES,
+            help="auto: CUDA where a GPU is visible, else CPU")
+        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"],
+            help="TP world size (ranks per pipeline stage) = dp x attn-cp-size x attention TP")
+        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"],
+            help="data-parallel attention groups (requests divided between them)")
+        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"],
+            help="pipeline stages (layers split between them; eager)")
+        add("--attn-cp-size", type=int, default=d["attn_cp_size"],
+            help="ranks of an attention context-parallel group (needs --enable-prefill-cp)")
+        add("--enable-prefill-cp", action="store_true",
+            help="split each prompt's tokens over the attention CP group")
         add("--cp-strategy", default=d["cp_strategy"], help="zigzag | interleave")
         add("--attention-backend", default=d["attention_backend"],
             help="auto | trtllm_mha | flashattention | torch")
         add("--attention-kernel", default=d["attention_kernel"],
             help="auto (flashinfer where installed and it fits, else Triton on CUDA, torch on CPU) | flashinfer | "
                  "triton | torch")
-        add("--disable-cuda-graph", action="store_true")
+        add("--disable-cuda-graph", action="store_true",
+            help="run every batch eagerly (no captured graphs)")
         add("--cuda-graph-buckets", type=int, nargs="+", default=d["cuda_graph_buckets"],
             help="CP-local padded token counts to capture, e.g. 32 64 128")
-        add("--page-size", type=int, default=d["page_size"])
+        add("--page-size", type=int, default=d["page_size"],
+            help="tokens per KV page (a power of two)")
         add("--max-total-tokens", type=int, default=d["max_total_tokens"],
             help="KV pool capacity in tokens per rank (default: from --mem-fraction-static)")
         add("--mem-fraction-static", type=float, default=d["mem_fraction_static"],
@@ -227,7 +236,8 @@ class EngineArgs:
                  "SGLang's rule on GPUs; a fifth of free memory on CPU)")
         add("--gpu-memory-gib", type=float, default=d["gpu_memory_gib"],
             help="size the KV pool as if each rank's device had this much memory (GiB)")
-        add("--capture-plan", default=d["capture_plan"])
+        add("--capture-plan", default=d["capture_plan"],
+            help="a capture plan JSON written by capture/warmup.py (its buckets are captured)")
         add("--max-batch-requests", type=int, default=d["max_batch_requests"],
             help="static request capacity of the graphs")
         add("--max-state-requests", type=int, default=d["max_state_requests"],
