@@ -11,7 +11,7 @@ import torch
 
 from graphcp.attention.kinds import cache_parts, layer_kinds, state_parts
 from graphcp.config import EngineArgs, resolve_dtype
-from graphcp.dist.parallel import rank_shards
+from graphcp.distributed.parallel import rank_shards
 from graphcp.errors import ConfigError
 from graphcp.graph.runner import DEFAULT_BUCKETS
 from graphcp.kv.cache import bytes_per_token

@@ -22,9 +22,9 @@ from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.metadata import last_tokens
 from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
-from graphcp.dist.comm import recv, send
-from graphcp.dist.procs import peak_rss_bytes
-from graphcp.dist.parallel import RankParallel
+from graphcp.distributed.comm import recv, send
+from graphcp.distributed.procs import peak_rss_bytes
+from graphcp.distributed.parallel import RankParallel
 from graphcp.errors import ConfigError
 from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
 from graphcp.forward_context import forward_context
@@ -184,7 +184,7 @@ class ModelRunner:
         """Seconds of one layer's K/V all-gather of ``tokens`` rows over the CP group (calibration)."""
         import time
 
-        from graphcp.dist.comm import all_gather_into
+        from graphcp.distributed.comm import all_gather_into
         cfg, comm = self.model_config, self.par.comm
         width = 2 * cfg.num_key_value_heads // self.args.attn_tp_size * cfg.head_dim
         rows = torch.zeros(tokens, width, dtype=self.dtype, device=self.device)

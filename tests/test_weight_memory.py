@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8_checkpoint import make_fp8_checkpoint
 from graphcp import Engine, EngineArgs
-from graphcp.dist.parallel import rank_shards
+from graphcp.distributed.parallel import rank_shards
 from graphcp.memory import memory_report
 from graphcp.models import load_model, read_model_config
 from graphcp.models.meta import checkpoint_tensors

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphcp.dist.comm import all_gather_into, all_reduce
+from graphcp.distributed.comm import all_gather_into, all_reduce
 from graphcp.kernels.fp8_torch import linear
 from graphcp.kernels.fp8_types import Fp8Weight
 

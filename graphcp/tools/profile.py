@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from graphcp.dist.procs import child_env, free_port
+from graphcp.distributed.procs import child_env, free_port
 from graphcp.tools.cli import engine_args, engine_parser
 
 TOP_OPS = 25

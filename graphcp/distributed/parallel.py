@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.config import EngineArgs
-from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce
-from graphcp.dist.moe_comm import moe_communicator
-from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
+from graphcp.distributed.comm import CPComm, FFNCommunicator, all_reduce
+from graphcp.distributed.moe_comm import moe_communicator
+from graphcp.distributed.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
 from graphcp.forward_context import MoECommunicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.moe import EPInfo
@@ -97,7 +97,7 @@ def rank_shards(args: EngineArgs, cfg: ModelConfig, rank: int, groups: Groups | 
     wide = args.resolved_ffn_tp_size > args.attn_tp_size
     ffn_tp = TPInfo(args.tp_size, rank % args.tp_size, groups.tp) if wide else attn_tp
     layers = range(*pipeline_stage(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
-    # MoE: experts split over EP ranks of the TP world, each over expert TP (see dist/moe_comm.py).
+    # MoE: experts split over EP ranks of the TP world, each over expert TP (see distributed/moe_comm.py).
     ep_rank, expert_tp_rank = expert_place(args, rank)
     return RankShards(attn_tp, ffn_tp, EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank),
                       layers)
