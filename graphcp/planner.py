@@ -30,9 +30,9 @@ def config_ineligibility(args: EngineArgs, backend: str, model_reason: str | Non
     if model_reason is not None:
         return model_reason
     if args.pp_size > 1:
-        return "pp_size > 1"
+        return "pipeline parallelism (--pp > 1) runs eagerly, as in SGLang"
     if args.dp_size > 1:
-        return "dp_size > 1"
+        return "data-parallel attention (--dp > 1) runs eagerly, as in SGLang"
     if args.cp_size > 1:
         reason = make_strategy(args.cp_strategy, args.cp_size).graph_reason
         if reason is not None:

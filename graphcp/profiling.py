@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphcp.dist.procs import rss_bytes
+from graphcp.distributed.procs import rss_bytes
 
 try:
     import nvtx as _nvtx

@@ -22,9 +22,9 @@ from graphcp.cp.adaptive import adaptive_strategy
 from graphcp.cp.metadata import last_tokens
 from graphcp.cp.strategy import LayoutPlan
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
-from graphcp.dist.comm import recv, send
-from graphcp.dist.procs import peak_rss_bytes
-from graphcp.dist.parallel import RankParallel
+from graphcp.distributed.comm import recv, send
+from graphcp.distributed.procs import peak_rss_bytes
+from graphcp.distributed.parallel import RankParallel
 from graphcp.errors import ConfigError
 from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
 from graphcp.forward_context import forward_context
@@ -34,6 +34,7 @@ from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kernels.registry import chosen
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
+from graphcp.memory import graph_reserve
 from graphcp.models import fp8, load_model
 from graphcp.models.flags import check_model_flags
 from graphcp.models.moe import probe_experts
@@ -59,7 +60,7 @@ class ModelRunner:
         if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
             probe_layer_ops(self.device, self.dtype)
             fp8.probe_gemm(self.model, self.dtype)
-            probe_experts(self.model)
+            probe_experts(self.model, self.dtype)
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)
         # Only the logit rows of the last layer's output are read: it runs for them alone. Every
@@ -68,9 +69,11 @@ class ModelRunner:
         self.prune_last_layer = (par.last_stage and args.dp_size == 1 and par.moe_comm is None
                                  and self.model.prunes_last_layer())
         write = chosen("kv_write") if self.device.type == "cuda" else None
+        graph_buckets, latent = graph_reserve(args, cfg, self.device.type)
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
                           cfg.sliding_window, write, announce=rank == 0,
-                          state_parts=self.attention.state_parts())
+                          state_parts=self.attention.state_parts(), weight_bytes=self.weight_bytes,
+                          graph_buckets=graph_buckets, latent=latent)
         self.pool, self.max_context = cache.pool, cache.max_context
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,
@@ -181,7 +184,7 @@ class ModelRunner:
         """Seconds of one layer's K/V all-gather of ``tokens`` rows over the CP group (calibration)."""
         import time
 
-        from graphcp.dist.comm import all_gather_into
+        from graphcp.distributed.comm import all_gather_into
         cfg, comm = self.model_config, self.par.comm
         width = 2 * cfg.num_key_value_heads // self.args.attn_tp_size * cfg.head_dim
         rows = torch.zeros(tokens, width, dtype=self.dtype, device=self.device)
@@ -298,7 +301,7 @@ class ModelRunner:
                 "state_bytes_per_request": self.pool.states.bytes_per_request,
                 "state_slots_total": self.planner.state_slots_total,
                 "state_slots_free": self.planner.state_slots_free,
-                "weight_bytes": sum(t.numel() * t.element_size() for t in self.model.state_dict().values()),
+                "weight_bytes": self.weight_bytes,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "graph_buckets": graphs.buckets if graphs else [],
                 "graph_captures": graphs.captures if graphs else 0,
@@ -309,6 +312,11 @@ class ModelRunner:
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
                 "adaptive_cp": self.strategy.describe_cost()}
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the weights hold resident on this rank (FP8 weights and their scales as stored)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def collective_counts(self) -> dict:
         comm = self.par.comm

@@ -109,6 +109,35 @@ def moe(mock) -> Iterator[Case]:
                    {"num_warps": t[2], "num_stages": t[3]})
 
 
+FP8_MOE_BLOCK = (128, 128)            # the released FP8 checkpoints' weight_block_size
+EXPERT_TP = (1, 8)                    # down's K: the whole intermediate, or an 8-way slice
+
+
+def moe_fp8(mock) -> Iterator[Case]:
+    fn = triton_moe._fp8_grouped_gemm_kernel
+    fp8, f32, bk = mock(torch.float8_e4m3fn), mock(torch.float32), FP8_MOE_BLOCK[1]
+    for dtype, (hidden, inter, experts, topk), rows, etp, wide in itertools.product(
+            (torch.bfloat16, torch.float32), MOE_SHAPES, ROWS, EXPERT_TP, (False, True)):
+        block_m = triton_moe.moe_row_tile(rows * topk / experts)
+        sliced = inter // etp
+        offset = sliced % bk               # expert-TP rank 1's slice starts this far into a block
+        cap = -(-(rows * topk + experts * (block_m - 1)) // block_m) * block_m   # sorted rows
+        # gate_up reads the tokens, down the sorted rows' gated activations
+        for proj, n, k, k_offset, a_rows in (("gate_up", 2 * sliced, hidden, 0, rows),
+                                             ("down", hidden, sliced, offset, cap)):
+            t = triton_moe.moe_fp8_tiles(block_m)
+            kb = -(-(k + k_offset) // bk)
+            args = dict(XQ=fp8, XS=f32, ROWS=mock(I64), W=fp8, WS=f32, WROWS=mock(torch.int32),
+                        OUT=mock(dtype), TILE_EXPERT=mock(I64), N=n, K=k, k_offset=k_offset,
+                        num_kb=kb, stride_xq=kb * bk, stride_xs=a_rows, stride_we=n * k,
+                        stride_wn=k, stride_se=-(-n // bk) * kb, stride_sr=kb, stride_om=n,
+                        BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=bk, WIDE=wide)
+            config = dict(zip(("block_n", "num_warps", "num_stages"), t))
+            yield ({"dtype": _name(dtype), "proj": proj, "k_offset": k_offset,
+                    "block_m": block_m, **config, "wide": wide}, fn, args,
+                   {"num_warps": t[1], "num_stages": t[2]})
+
+
 DSA_INDEX = ((32, 128), (64, 128))    # (indexer heads, index_head_dim): GLM-5, DeepSeek-V3.2
 MLA_HEADS = (8, 16, 32, 64, 128)      # query heads per rank; latent 512 + rope 64 (width 576)
 LATENT, ROPE, TOPK = 512, 64, 2048

@@ -168,15 +168,30 @@ def test_warmup_allows_syncs_inside_breaks(monkeypatch):
 
 # -- 5, 8, 10: device, memory and backend maps --------------------------------------------------------
 def test_kv_budget_is_shared_by_ranks_on_one_gpu(monkeypatch):
-    from graphcp.dist.parallel import ranks_per_device
-    from graphcp.kv.sizing import kv_tokens
+    """Ranks sharing a GPU each size from their share of it; the pool is SGLang's rule:
+    available - capacity x (1 - mem fraction static), the default fraction SGLang's for the
+    device's size; --gpu-memory-gib assumes another device size with today's usage."""
+    from graphcp.distributed.parallel import ranks_per_device
+    from graphcp.kv.sizing import default_mem_fraction, measured_budget, pool_tokens
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
     cuda = torch.device("cuda", 0)
     assert ranks_per_device(cuda, 2) == 2 and ranks_per_device(cuda, 1) == 1
-    alone = kv_tokens(None, 1 << 20, cuda, 1, 1 << 30, 1, 16)
-    shared = kv_tokens(None, 1 << 20, cuda, ranks_per_device(cuda, 2), 1 << 30, 1, 16)
-    assert shared * 2 == alone and alone * (1 << 20) <= 0.6 * (100 << 30)
+
+    def tokens(ranks: int, gib: float | None = None, fraction: float | None = None) -> int:
+        budget = measured_budget(cuda, ranks, 0, 0, fraction, gib, 8, 1, 7, False)
+        return pool_tokens(budget, 1 << 20, None, 1 << 30, 1 << 20, 16)
+
+    frac = default_mem_fraction(140 << 30, 8, 1, 7, False)
+    assert 0.88 < frac < 0.93          # H200-class: a 10-15 GiB reserve
+    alone = tokens(1)
+    assert alone == int((100 << 30) - (140 << 30) * (1 - frac)) >> 20
+    shared = tokens(ranks_per_device(cuda, 2))
+    assert shared == int((50 << 30) - (70 << 30) * (1 - default_mem_fraction(70 << 30, 8, 1, 7,
+                                                                              False))) >> 20
+    assert tokens(1, fraction=0.8) == ((100 << 30) - int((140 << 30) * 0.2)) >> 20
+    # a 80 GiB device with the 40 GiB in use now: 40 GiB available
+    assert tokens(1, gib=80, fraction=0.9) == ((40 << 30) - int((80 << 30) * 0.1)) >> 20
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert ranks_per_device(cuda, 2) == 1
 

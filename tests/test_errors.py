@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import cp_kwargs
-from graphcp import ConfigError, EngineArgs, Request, RequestError
+from graphcp import ConfigError, Engine, EngineArgs, Request, RequestError
 from parity import Session, random_ids
 
 VOCAB = 211
@@ -60,7 +60,7 @@ def test_pickle_checkpoint_is_refused(checkpoint, tmp_path):
     os.remove(os.path.join(d, "model.safetensors"))
     open(os.path.join(d, "pytorch_model.bin"), "wb").write(b"not loaded")
     with pytest.raises(ConfigError, match="pickle"):
-        EngineArgs(model_path=d)
+        Engine(EngineArgs(model_path=d))
 
 
 @pytest.mark.parametrize("damage,match", [

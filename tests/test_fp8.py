@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 from conftest import cp_kwargs
 from fp8_checkpoint import make_fp8_checkpoint, quantize_blocks
 from graphcp import ConfigError, Engine, EngineArgs
-from graphcp.models import fp8, load_model, read_model_config
+from graphcp.kernels.fp8_torch import dequantize_weight, fp8_linear_torch
+from graphcp.kernels.fp8_types import Fp8Weight
+from graphcp.models import fp8, load_model, loader, read_model_config
 from graphcp.models.llama import CausalLM
 from graphcp.models.parallel import TPInfo
 from hf_reference import make_checkpoint
@@ -68,21 +70,30 @@ def _rank_shards(model: CausalLM) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_unaligned_tp_shards_dequantize_exactly(fp8_ckpt, rank):
-    """Attention over TP 2 and the FFN over TP 2: every loaded slice equals the same slice of the
-    exactly dequantized checkpoint, bitwise, including the FFN slices that start 4 rows/columns into
-    a block."""
+    """Attention over TP 2 and the FFN over TP 2: every projection stays FP8 in memory on CPU, and
+    its weight as the forward dequantizes it equals the same slice of the exactly dequantized
+    checkpoint, bitwise, including the FFN slices that start 4 rows/columns into a block."""
     tp = TPInfo(2, rank)
     model = load_model(fp8_ckpt[0], torch.float32, torch.device("cpu"), tp, ffn_tp=tp)
     want = load_file(os.path.join(fp8_ckpt[1], "model.safetensors"))
     shards = _rank_shards(model)
     assert shards["model.layers.0.mlp.gate_proj.weight"] == (0, 100 * rank, 100 * rank + 100)
     assert shards["model.layers.0.mlp.down_proj.weight"] == (1, 100 * rank, 100 * rank + 100)
+    modules = dict(model.named_modules())
+    held = 0
     for name, got in model.state_dict().items():
+        if name.endswith("_scale_inv"):
+            continue
         ref = want[model.source_name(name)]
         if name in shards:
             dim, start, end = shards[name]
             ref = ref[start:end] if dim == 0 else ref[:, start:end]
+        module = modules[name.rsplit(".", 1)[0]]
+        if got.dtype == fp8.FP8:
+            held += 1
+            got = dequantize_weight(module.fp8, torch.float32)
         assert got.dtype == torch.float32 and torch.equal(got, ref), name
+    assert held == 2 * 7 - 1      # every projection but the one modules_to_not_convert names
 
 
 def _fp8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -95,12 +106,12 @@ def _fp8_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _check_gemm(
-    x: torch.Tensor, w: fp8.Fp8Weight, dense: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, w: Fp8Weight, dense: torch.Tensor, bias: torch.Tensor | None
 ) -> float:
     from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
 
     got = triton_fp8_linear(x, w, bias)
-    torch_form = fp8.fp8_linear_torch(x, w, bias)
+    torch_form = fp8_linear_torch(x, w, bias)
     assert float((got - torch_form).abs().max() / torch_form.abs().max()) <= 1e-5
     exact = x @ dense.t() + (0 if bias is None else bias)
     err = (got - exact).abs()
@@ -123,7 +134,7 @@ def test_triton_gemm_partial_blocks_and_offsets():
         q, scale = quantize_blocks(whole, block)
         cols = (torch.arange(k) + offset) // block[1]
         dense = q[:, offset:].float() * scale.repeat_interleave(block[0], 0)[:n][:, cols]
-        w = fp8.Fp8Weight(
+        w = Fp8Weight(
             q[:, offset:].contiguous(),
             scale,
             (torch.arange(n) // block[0]).to(torch.int32),
@@ -137,39 +148,34 @@ def test_triton_gemm_partial_blocks_and_offsets():
 
 
 def test_kept_fp8_weights_and_gemm_at_unaligned_shards(fp8_ckpt):
-    """The CUDA layout, built on CPU: FP8 weights and scale slices in the state dict (what
-    weight_bytes counts), q/k/v and gate/up fused with their scale rows, and the Triton GEMM
-    (interpreter) on each rank's slice against the dequantized slice."""
+    """FP8 weights and scale slices in the state dict (what weight_bytes counts): the checkpoint's
+    own bytes for each rank's slice; q/k/v and gate/up fused with their scale rows, back to back
+    (no copy at fusion); and the Triton GEMM (interpreter) on each rank's slice against the
+    dequantized slice."""
     want = load_file(os.path.join(fp8_ckpt[1], "model.safetensors"))
+    stored = load_file(os.path.join(fp8_ckpt[0], "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 72, generator=gen)
     for rank in (0, 1):
         tp = TPInfo(2, rank)
-        kept = load_model(
-            fp8_ckpt[0], torch.float32, torch.device("cpu"), tp, ffn_tp=tp, keep_fp8=True
-        )
-        plain = load_model(
-            fp8_ckpt[0], torch.float32, torch.device("cpu"), tp, ffn_tp=tp, keep_fp8=False
-        )
-        sd, sd_plain = kept.state_dict(), plain.state_dict()
+        kept = load_model(fp8_ckpt[0], torch.float32, torch.device("cpu"), tp, ffn_tp=tp)
+        sd = kept.state_dict()
         quantized = [n for n, t in sd.items() if t.dtype == fp8.FP8]
         assert (
             len(quantized) == 2 * 7 - 1 and "model.layers.1.mlp.down_proj.weight" not in quantized
         )
-        scales = {fp8.scale_name(n): sd[fp8.scale_name(n)] for n in quantized}
-        extra = sum(s.numel() * 4 for s in scales.values()) - sum(
-            sd[n].numel() * 3 for n in quantized
-        )
-        assert (
-            sum(t.numel() * t.element_size() for t in sd.values())
-            == sum(t.numel() * t.element_size() for t in sd_plain.values()) + extra
-        )
         shards = _rank_shards(kept)
+        for name in quantized:      # the checkpoint's bytes of the slice, as stored
+            assert torch.equal(sd[name].view(torch.uint8),
+                               _slice(stored[name], shards[name]).view(torch.uint8)), name
         for i in (0, 1):
             layer, p = kept.model.layers[str(i)], f"model.layers.{i}."
+            qkv, gate_up = layer.self_attn.qkv[0], layer.mlp.gate_up[0]
+            assert qkv.weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+            assert gate_up.scale.data_ptr() == layer.mlp.gate_proj.weight_scale_inv.data_ptr()
             fused = {
-                "self_attn.qkv": (layer.self_attn.qkv[0], x, ("q_proj", "k_proj", "v_proj")),
-                "mlp.gate_up": (layer.mlp.gate_up[0], x, ("gate_proj", "up_proj")),
+                "self_attn.qkv": (qkv, x, ("q_proj", "k_proj", "v_proj")),
+                "mlp.gate_up": (gate_up, x, ("gate_proj", "up_proj")),
             }
             o_in = torch.randn(5, 128 // 2, generator=gen)  # attention TP 2: half the heads
             cases = [*fused.values(), (layer.self_attn.o_proj.fp8, o_in, ("o_proj",))]
@@ -250,7 +256,7 @@ def test_bad_fp8_checkpoints_refused_before_allocation(
     def no_allocation(*args, **kwargs):
         raise AssertionError("weights were allocated before the checkpoint was validated")
 
-    monkeypatch.setattr(CausalLM, "to_empty", no_allocation)
+    monkeypatch.setattr(loader, "_materialize", no_allocation)
     with pytest.raises(ConfigError, match=match):
         Engine(EngineArgs(model_path=str(d), max_total_tokens=1024, disable_cuda_graph=True))
 

@@ -17,7 +17,7 @@ from parity import Session, random_ids
 from safetensors.torch import load_file, save_file
 
 from graphcp import ConfigError, Engine, EngineArgs
-from graphcp.models import fp8, load_model, read_model_config
+from graphcp.models import fp8, load_model, loader, read_model_config
 from graphcp.models.llama import CausalLM
 from graphcp.models.moe import EPInfo, Experts
 
@@ -90,26 +90,32 @@ def test_fp8_modules_as_transformers_converts(fp8_moe):
 
 @pytest.mark.parametrize("ep", [EPInfo(2, 1, 1, 0), EPInfo(1, 0, 2, 1), EPInfo(2, 0, 2, 1)])
 def test_expert_slices_dequantize_exactly(fp8_moe, ep):
-    """Each rank's experts equal the same slice of the dequantized checkpoint, bitwise, with the
-    dense projections dequantized or kept in FP8 (the CUDA layout; experts are dequantized then
-    too). Expert-TP rank 1 holds intermediate rows/columns 20..39: 4 into a row block, 20 into a
-    column block."""
+    """Each rank's experts stay FP8 (the checkpoint's bytes of its slice), and each expert as the
+    forward dequantizes it equals the same slice of the dequantized checkpoint, bitwise; the
+    unquantized layer-2 experts load as they are. Expert-TP rank 1 holds intermediate
+    rows/columns 20..39: 4 into a row block, 20 into a column block."""
     want = load_file(os.path.join(fp8_moe[1], "model.safetensors"))
+    stored = load_file(os.path.join(fp8_moe[0], "model.safetensors"))
     per = 4 // ep.ep_size
     lo, hi = (0, 40) if ep.expert_tp_size == 1 else (20, 40)
-    for keep in (False, True):
-        model = load_model(fp8_moe[0], torch.float32, torch.device("cpu"), ep=ep, keep_fp8=keep)
-        assert fp8.is_fp8(model.model.layers["0"].self_attn.o_proj) is keep
-        for layer in ("0", "2"):
-            experts = model.model.layers[layer].mlp.experts
-            assert experts.gate_up_proj.dtype == torch.float32
-            assert experts.gate_up_proj.shape == (per, 2 * (hi - lo), 72)
-            for i in range(per):
-                p = f"model.layers.{layer}.mlp.experts.{ep.ep_rank * per + i}"
-                gate_up = torch.cat([want[f"{p}.gate_proj.weight"][lo:hi],
-                                     want[f"{p}.up_proj.weight"][lo:hi]])
-                assert torch.equal(experts.gate_up_proj[i], gate_up), (p, keep)
-                assert torch.equal(experts.down_proj[i], want[f"{p}.down_proj.weight"][:, lo:hi])
+    model = load_model(fp8_moe[0], torch.float32, torch.device("cpu"), ep=ep)
+    assert fp8.is_fp8(model.model.layers["0"].self_attn.o_proj)
+    for layer, quantized in (("0", True), ("2", False)):
+        experts = model.model.layers[layer].mlp.experts
+        assert experts.gate_up_proj.dtype == (fp8.FP8 if quantized else torch.float32)
+        assert experts.gate_up_proj.shape == (per, 2 * (hi - lo), 72)
+        for i in range(per):
+            p = f"model.layers.{layer}.mlp.experts.{ep.ep_rank * per + i}"
+            gate_up = torch.cat([want[f"{p}.gate_proj.weight"][lo:hi],
+                                 want[f"{p}.up_proj.weight"][lo:hi]])
+            got_gate_up, got_down = experts.expert_weights(i, torch.float32)
+            assert torch.equal(got_gate_up, gate_up), p
+            assert torch.equal(got_down, want[f"{p}.down_proj.weight"][:, lo:hi]), p
+            if quantized:
+                raw = torch.cat([stored[f"{p}.gate_proj.weight"][lo:hi],
+                                 stored[f"{p}.up_proj.weight"][lo:hi]])
+                assert torch.equal(experts.gate_up_proj[i].view(torch.uint8), raw.view(torch.uint8))
+                assert experts.fp8[1].k_offset == lo % BLOCK[1]
 
 
 def _parity(engine, oracle, path: str, full: bool) -> float:
@@ -184,6 +190,6 @@ def test_bad_fp8_experts_refused_before_allocation(fp8_moe, tmp_path, monkeypatc
     def no_allocation(*args, **kwargs):
         raise AssertionError("weights were allocated before the checkpoint was validated")
 
-    monkeypatch.setattr(CausalLM, "to_empty", no_allocation)
+    monkeypatch.setattr(loader, "_materialize", no_allocation)
     with pytest.raises(ConfigError, match=match):
         Engine(EngineArgs(model_path=str(d), max_total_tokens=1024, disable_cuda_graph=True))

@@ -33,8 +33,8 @@ def test_select_bucket_cases():
 
 @pytest.mark.parametrize("change,reason", [
     (dict(disable_cuda_graph=True), "disabled"),
-    (dict(pp_size=2), "pp_size > 1"),
-    (dict(dp_size=2), "dp_size > 1"),
+    (dict(pp_size=2), "pipeline parallelism (--pp > 1) runs eagerly"),
+    (dict(dp_size=2), "data-parallel attention (--dp > 1) runs eagerly"),
     (dict(cp_strategy="interleave"), "interleave"),
     (dict(backend="flashattention"), "flashattention"),
     (dict(backend="torch"), "torch"),

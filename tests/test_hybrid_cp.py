@@ -24,7 +24,7 @@ from hybrid_reference import StateSlots, graph_equals_eager, make_hybrid_checkpo
 from graphcp.attention.linear_cp import ZigzagLinearAttention, exchange_bytes
 from graphcp.attention.linear_op import LocalLinearAttention, RequestStates
 from graphcp.cp import build_layout
-from graphcp.dist.comm import CPComm
+from graphcp.distributed.comm import CPComm
 from graphcp.models import load_model
 
 TOL = 1e-4

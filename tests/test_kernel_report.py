@@ -14,7 +14,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "dsa_index", "dsa_mla", "rmsnorm", "rope"}
+FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
+            "rmsnorm", "rope"}
 FIELDS = {"family", "kernel", "config", "ptx", "registers", "spill_store_bytes", "spill_load_bytes",
           "shared_bytes"}
 

@@ -15,21 +15,32 @@ from graphcp.graph.cpu import CpuCapture
 from graphcp.graph.protocol import BreakLog, GraphCaptureError, PeerFailed, graph_break
 
 
-# -- 5: every rank sizes its pool from the least free memory of any rank -------------------------------
+# -- 5: every rank gets the least pool any rank can hold -------------------------------------------------
 def _pool_rank(rank: int, port: int, out: dict) -> None:
+    from graphcp.errors import ConfigError
     from graphcp.kv import sizing
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        reading = (21 << 30, 30 << 30)[rank]            # two ranks read free memory at different moments
-        sizing.free_memory = lambda device, ranks: reading
-
         def agree_min(n: int) -> int:
             t = torch.tensor([n])
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             return int(t.item())
 
-        args = (None, 1 << 20, torch.device("cpu"), 1, 1 << 30, 1, 16)
-        out[rank] = (sizing.kv_tokens(*args), sizing.kv_tokens(*args, agree_min=agree_min))
+        # Two ranks that read free memory at different moments, or hold different layer counts
+        # (pipeline stages): their computed token counts differ.
+        free = (21 << 30, 30 << 30)[rank]
+        per_token = (1 << 20, 3 << 19)[rank]
+        budget = sizing.PoolBudget(40 << 30, free, 0.9)
+        count = lambda: sizing.pool_tokens(budget, per_token, None, 1 << 30, 1, 16)  # noqa: E731
+        out[rank] = (count(), sizing.agreed_tokens(count, agree_min))
+        # A rank whose budget fails makes its peer fail too (no peer waits in a collective).
+        broke = sizing.PoolBudget(40 << 30, (1 << 30, 30 << 30)[rank], 0.9)
+        try:
+            sizing.agreed_tokens(lambda: sizing.pool_tokens(broke, per_token, None, 1 << 30, 1, 16),
+                                 agree_min)
+            out[f"fail{rank}"] = None
+        except ConfigError as e:
+            out[f"fail{rank}"] = str(e)
     finally:
         dist.destroy_process_group()
 
@@ -42,12 +53,14 @@ def test_pool_size_is_the_minimum_over_ranks():
     out = mp.Manager().dict()
     mp.spawn(_pool_rank, args=(port, out), nprocs=2, join=True)
     alone, agreed = zip(*(out[r] for r in range(2)))
-    assert alone[0] != alone[1], "the injected readings differ"
+    assert alone[0] != alone[1], "the injected budgets differ"
     assert agreed[0] == agreed[1] == min(alone), "every rank holds the same number of pages"
+    assert "not enough memory for a KV pool" in out["fail0"]
+    assert "another rank cannot fit its KV pool" in out["fail1"]
 
 
 def test_the_runner_uses_the_agreed_size():
-    """The runner sizes the pool through ``kv_tokens`` with the rank group's minimum (kv/__init__.py)."""
+    """The runner sizes the pool through ``agreed_tokens`` with the rank group's minimum (kv/__init__.py)."""
     import inspect
 
     from graphcp import kv

@@ -14,7 +14,7 @@ from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds, state_p
 from graphcp.config import EngineArgs
 from graphcp.cp.metadata import CPMetadata, LastTokens
 from graphcp.cp.plan import HostMaxima
-from graphcp.dist.comm import CPComm
+from graphcp.distributed.comm import CPComm
 from graphcp.kernels.registry import KERNELS
 from graphcp.kernels.resolve import resolve_dsa, resolve_kernel
 from graphcp.kv.cache import LayerParts, PagedPool

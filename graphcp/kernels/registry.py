@@ -1,12 +1,12 @@
 """Every kernel graphcp launches, in one registry, with one rule for choosing and checking them.
 
 A ``KernelSpec`` names an op (``attention``, ``kv_write``, ``dsa``, ``rms_norm``, ``rope``,
-``fp8_gemm``, ``moe_experts``), an implementation, where its function lives (imported on first use,
-so the engine runs where Triton or flashinfer is absent), whether a CUDA graph can hold it, and what
-it cannot serve. ``check`` is the one start-up test of a compiled kernel against its torch form (one
-tolerance table); ``probe_op``/``chosen`` the table of layer ops whose Triton form passed its check
-(models only ask ``chosen``). The choices themselves, with each kernel's check inputs, are in
-``kernels/resolve.py``.
+``fp8_gemm``, ``moe_experts``, ``moe_experts_fp8``), an implementation, where its function lives
+(imported on first use, so the engine runs where Triton or flashinfer is absent), whether a CUDA
+graph can hold it, and what it cannot serve. ``check`` is the one start-up test of a compiled kernel
+against its torch form (one tolerance table); ``probe_op``/``chosen`` the table of layer ops whose
+Triton form passed its check (models only ask ``chosen``). The choices themselves, with each
+kernel's check inputs, are in ``kernels/resolve.py``.
 """
 from __future__ import annotations
 
@@ -110,6 +110,8 @@ LAYER_KERNELS = {
     "rope": KernelSpec("rope", "triton", _K + "triton_rope", "triton_rope", True),
     "fp8_gemm": KernelSpec("fp8_gemm", "triton", _K + "triton_fp8_gemm", "triton_fp8_linear", True),
     "moe_experts": KernelSpec("moe_experts", "triton", _K + "triton_moe", "triton_experts", True),
+    "moe_experts_fp8": KernelSpec("moe_experts_fp8", "triton", _K + "triton_moe",
+                                  "triton_experts_fp8", True),
 }
 
 
@@ -166,6 +168,10 @@ def triton_unusable(device: torch.device) -> str | None:
 def use_triton_interpreter() -> None:
     """Ask for Triton's CPU interpreter (``--attention-kernel triton`` on CPU). The engine calls this at
     start, before anything imports triton; rank processes inherit it."""
+    log.warning("graphcp: --attention-kernel triton on CPU runs graphcp's Triton kernels in Triton's "
+                "interpreter (numpy, one program at a time): meant for tests, it is 100-1000x slower "
+                "than the torch kernels; graph capture alone can take minutes. Leave the flag at "
+                "auto to use the torch kernels on CPU.")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

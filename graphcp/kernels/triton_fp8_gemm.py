@@ -4,8 +4,8 @@ Two launches: activations are quantized per token and group of ``block_k`` colum
 real format, scale = amax / 448) on the weight's K-block grid, once per element; the GEMM then
 multiplies FP8 tiles on the tensor cores, one K tile per weight block, and scales each tile's fp32
 partial sum by the token-group scale and the weight-block scale before accumulating in fp32 (as
-DeepSeek's kernels do). Output in the activation dtype. Matches ``fp8.fp8_linear_torch`` up to fp32
-summation order.
+DeepSeek's kernels do). Output in the activation dtype. Matches ``fp8_torch.fp8_linear_torch`` up
+to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def gemm_tiles(m: int) -> tuple[int, int, int, int]:
 def quantize_activations_triton(
     x: torch.Tensor, block_k: int, k_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton form of ``fp8.quantize_activations``; scales come back [K blocks, M] (the GEMM
-    reads a column of M rows per tile)."""
+    """The Triton form of ``fp8_torch.quantize_activations``; scales come back [K blocks, M] (the
+    GEMM reads a column of M rows per tile)."""
     m, k = x.shape
     blocks = triton.cdiv(k + k_offset, block_k)
     xq = torch.empty(m, blocks * block_k, dtype=FP8, device=x.device)

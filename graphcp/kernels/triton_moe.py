@@ -1,6 +1,7 @@
 """The MoE experts on CUDA: rows sorted by expert, then one grouped-GEMM launch per projection for
-all experts, instead of a Python loop over experts (the torch form in ``models/moe.py``, which is
-this kernel's oracle).
+all experts, instead of a Python loop over experts (the torch forms in ``moe_torch.py``, which are
+these kernels' oracles). Plain weights run ``grouped_gemm``; FP8 experts as loaded run
+``fp8_grouped_gemm`` (block-scaled, activations quantized per token and K group).
 
 Every step is a device tensor op whose shape is fixed by the row count, so the whole path can be
 captured in a CUDA graph: each expert's rows are padded to a multiple of the row tile BLOCK_M
@@ -9,10 +10,14 @@ every tile belongs to one expert; tiles past the last expert are masked off.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
+from graphcp.kernels.fp8_types import Fp8Experts
+from graphcp.kernels.triton_fp8_gemm import quantize_activations_triton
 from graphcp.kernels.triton_util import needs_int64
 
 
@@ -81,6 +86,98 @@ def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
     return out
 
 
+@triton.jit
+def _round_bf16(v):
+    """v (fp32) rounded to the nearest bfloat16 value (ties to even), still fp32: the cast that
+    follows is then exact, where Triton's interpreter would truncate (CUDA rounds to nearest)."""
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    return ((bits + 0x7FFF + lsb) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_grouped_gemm_kernel(XQ, XS, ROWS, W, WS, WROWS, OUT, TILE_EXPERT, N, K, k_offset, num_kb,
+                             stride_xq, stride_xs, stride_we, stride_wn, stride_se, stride_sr,
+                             stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+    """OUT[r] = dequant(XQ[ROWS[r]]) @ dequant(W[e]).T for the rows r of tile t, e = TILE_EXPERT[t]:
+    one FP8 dot per weight K block, scaled by the row's group scale (XS [K blocks, rows]) and the
+    block's scale (WS [E, row blocks, K blocks], row block WROWS[n]), summed in fp32. Rows with
+    ROWS < 0 write zeros; so does a padding tile (e < 0), at once, reading no weight."""
+    tile = tl.program_id(0)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    offs_out = offs_m.to(tl.int64) if WIDE else offs_m
+    out = OUT + offs_out[:, None] * stride_om + rn[None, :]
+    expert = tl.load(TILE_EXPERT + tile)
+    if expert < 0:
+        tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), dtype=OUT.dtype.element_ty), mask=n_ok[None, :])
+        return
+    rk = tl.arange(0, BLOCK_K)
+    rows = tl.load(ROWS + offs_m)
+    live = rows >= 0
+    rows = tl.maximum(rows, 0)
+    rows = rows.to(tl.int64) if WIDE else rows.to(tl.int32)
+    rn_o = rn.to(tl.int64) if WIDE else rn
+    w_rows = tl.load(WROWS + rn, mask=n_ok, other=0)
+    w_rows = w_rows.to(tl.int64) if WIDE else w_rows.to(tl.int32)
+    x_ptr = XQ + rows[:, None] * stride_xq + rk[None, :]                       # [BLOCK_M, BLOCK_K]
+    xs_ptr = XS + rows
+    # the expert's base offset in int64: all experts together may pass 2**31 elements
+    w_ptr = (W + expert.to(tl.int64) * stride_we + rn_o[:, None] * stride_wn
+             + (rk - k_offset)[None, :])                                        # [BLOCK_N, BLOCK_K]
+    ws_ptr = WS + expert.to(tl.int64) * stride_se + w_rows * stride_sr
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(num_kb):
+        cols = kb * BLOCK_K - k_offset + rk
+        w_ok = n_ok[:, None] & ((cols >= 0) & (cols < K))[None, :]
+        x = tl.load(x_ptr, mask=live[:, None], other=0.0)
+        w = tl.load(w_ptr, mask=w_ok, other=0.0)
+        x_scale = tl.load(xs_ptr, mask=live, other=0.0)
+        w_scale = tl.load(ws_ptr, mask=n_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
+        x_ptr += BLOCK_K
+        xs_ptr += stride_xs
+        w_ptr += BLOCK_K
+        ws_ptr += 1
+    if OUT.dtype.element_ty == tl.bfloat16:
+        acc = _round_bf16(acc)
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=n_ok[None, :])
+
+
+def moe_fp8_tiles(block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the FP8 grouped GEMM over ``block_m``-row tiles (BLOCK_K
+    is the weight's K block). Few rows per expert read each weight tile about once whatever the
+    tile: 64 columns over 4 warps (more programs). 64-row tiles (long prompts) take 128 columns on
+    two warpgroups, halving the activation reads per weight read: 168 registers for sm_90a, where
+    one warpgroup needs 240 (the per-block scaling keeps a second accumulator live)."""
+    return (128, 8, 3) if block_m >= 64 else (64, 4, 3)
+
+
+def fp8_grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: Fp8Experts,
+                     tile_expert: torch.Tensor) -> torch.Tensor:
+    """``grouped_gemm``'s contract over FP8 experts: a [R, K] (bf16/fp16/fp32) is quantized per row
+    and K group on the weight's grid; [cap, N] in a's dtype."""
+    weight, scale = w.weight, w.scale
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("FP8 experts need K-contiguous weights and scales")
+    cap, (n, k), block_k = rows.shape[0], weight.shape[1:], w.block[1]
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    xq, xs = quantize_activations_triton(a, block_k, w.k_offset)
+    out = a.new_empty((cap, n))
+    block_m = cap // tile_expert.shape[0]
+    block_n, warps, stages = moe_fp8_tiles(block_m)
+    grid = (cap // block_m, triton.cdiv(n, block_n))
+    _fp8_grouped_gemm_kernel[grid](
+        xq, xs, rows, weight, scale, w.scale_rows, out, tile_expert, n, k, w.k_offset,
+        xs.shape[0], xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1),
+        scale.stride(0), scale.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, WIDE=needs_int64(xq, out, weight[0]), num_warps=warps,
+        num_stages=stages)
+    return out
+
+
 def sort_by_expert(ids: torch.Tensor, first: int, num_local: int,
                    block_m: int) -> tuple[torch.Tensor, ...]:
     """Pairs sorted by local expert, each expert padded to whole tiles: (row_pair [cap], the flat
@@ -115,16 +212,34 @@ def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
                    down: torch.Tensor, first: int, block_m: int | None = None) -> torch.Tensor:
     """The torch form's contract: x [N, H], ids/weights [N, k] -> [N, H], the local experts' sum.
     ``block_m`` overrides the row tile (16, 32 or 64)."""
-    k, inter, num_local = ids.shape[1], down.shape[-1], gate_up.shape[0]
+    return run_experts(grouped_gemm, x, ids, weights, gate_up, down, first, gate_up.shape[0],
+                       down.shape[-1], block_m)
+
+
+def run_experts(gemm: Callable, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                gate_up: object, down: object, first: int, num_local: int, inter: int,
+                block_m: int | None) -> torch.Tensor:
+    """Sort the pairs by expert, ``gemm`` (``grouped_gemm``'s contract) over gate_up, SiLU-gate,
+    ``gemm`` over down, then each row's weighted sum of its local experts."""
+    k = ids.shape[1]
     # rows per local expert if routing spreads evenly (an upper bound under expert parallelism)
     block_m = block_m or moe_row_tile(ids.numel() / num_local)
     row_pair, tile_expert = sort_by_expert(ids, first, num_local, block_m)
     live = row_pair >= 0
     pair = row_pair.clamp(min=0)
     rows = torch.where(live, pair // k, row_pair)
-    h = grouped_gemm(x, rows, gate_up, tile_expert)
+    h = gemm(x, rows, gate_up, tile_expert)
     act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
     same = torch.where(live, torch.arange(rows.shape[0], device=x.device), row_pair)
-    y = grouped_gemm(act, same, down, tile_expert)
+    y = gemm(act, same, down, tile_expert)
     scale = weights.reshape(-1).index_select(0, pair) * live.to(weights.dtype)
     return torch.zeros_like(x).index_add_(0, rows.clamp(min=0), y * scale[:, None])
+
+
+def triton_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       gate_up: Fp8Experts, down: Fp8Experts, first: int,
+                       block_m: int | None = None) -> torch.Tensor:
+    """``triton_experts`` over FP8 experts as loaded (gate rows then up rows in ``gate_up``; down's
+    K the rank's slice of the intermediate dim), activations quantized per token and K group."""
+    return run_experts(fp8_grouped_gemm, x, ids, weights, gate_up, down, first,
+                       gate_up.weight.shape[0], down.weight.shape[-1], block_m)

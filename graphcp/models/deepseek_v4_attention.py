@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from graphcp.forward_context import current_attention
+from graphcp.kernels.fp8_torch import dense_weight
 from graphcp.kernels.v4_torch import pool_windows
 from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek_v4_config import CSA, HCA
+from graphcp.models.parallel import Linear
 from graphcp.models.deepseek_v4_rope import V4Rotary, V4RMSNorm, rotate_tail, unweighted_rms_norm
 
 
@@ -79,7 +81,7 @@ class Indexer(Compressor):
         v4 = cfg.v4
         super().__init__(cfg.hidden_size, v4.index_head_dim, rate, True, cfg.rms_norm_eps, rotary)
         self.heads = v4.index_n_heads
-        self.q_b_proj = nn.Linear(v4.q_lora_rank, v4.index_n_heads * v4.index_head_dim, bias=False)
+        self.q_b_proj = Linear(v4.q_lora_rank, v4.index_n_heads * v4.index_head_dim, bias=False)
         self.scorer = Scorer(cfg.hidden_size, v4.index_n_heads)
 
     def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor,
@@ -105,14 +107,14 @@ class V4Attention(nn.Module):
         self.layer_id, self.kind = layer_id, v4.layer_types[layer_id]
         self.num_heads, self.head_dim, self.eps = heads, d, cfg.rms_norm_eps
         self.groups, self.scale = v4.o_groups, d ** -0.5
-        self.q_a_proj = nn.Linear(hidden, v4.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, v4.q_lora_rank, bias=False)
         self.q_a_norm = V4RMSNorm(v4.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(v4.q_lora_rank, heads * d, bias=False)
-        self.kv_proj = nn.Linear(hidden, d, bias=False)
+        self.q_b_proj = Linear(v4.q_lora_rank, heads * d, bias=False)
+        self.kv_proj = Linear(hidden, d, bias=False)
         self.kv_norm = V4RMSNorm(d, cfg.rms_norm_eps)
-        self.o_a_proj = nn.Linear(heads * d // v4.o_groups, v4.o_groups * v4.o_lora_rank,
+        self.o_a_proj = Linear(heads * d // v4.o_groups, v4.o_groups * v4.o_lora_rank,
                                   bias=False)
-        self.o_b_proj = nn.Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
+        self.o_b_proj = Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(heads), requires_grad=False)
         rate = v4.compress_rates[layer_id]
         if self.kind == CSA:
@@ -149,6 +151,7 @@ class V4Attention(nn.Module):
         """Each group of heads projected on its own to ``o_lora_rank`` features (block-diagonal
         ``o_a_proj``), as transformers computes it: one batched GEMM over the groups."""
         t, per_group = out.shape[0], self.num_heads * self.head_dim // self.groups
-        weight = self.o_a_proj.weight.view(self.groups, -1, per_group).transpose(1, 2)
+        o_a = dense_weight(self.o_a_proj.fp8 or self.o_a_proj.weight, out.dtype)   # FP8: per call
+        weight = o_a.view(self.groups, -1, per_group).transpose(1, 2)
         grouped = out.reshape(t, self.groups, per_group).transpose(0, 1)
         return torch.bmm(grouped, weight).transpose(0, 1).reshape(t, -1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from graphcp.config import EngineArgs, check_model_fits
+from graphcp.config import EngineArgs, check_model_fits, check_weights
 from graphcp.models.config import ModelConfig, check_expert_parallel, read_model_config
 from graphcp.models.deepseek_v4_config import check_v4_flags
 from graphcp.models.dsa_config import check_dsa_flags, check_mla_flags
@@ -16,9 +16,12 @@ FLAG_CHECKS: dict[str, Callable[[EngineArgs], None]] = {
 }
 
 
-def check_model_flags(args: EngineArgs) -> ModelConfig:
+def check_model_flags(args: EngineArgs, weights: bool = True) -> ModelConfig:
     """The flags that depend on the model, judged from its config alone: the engine calls this before any
-    rank process starts, so a bad flag costs no start-up."""
+    rank process starts, so a bad flag costs no start-up. ``weights``: the checkpoint's weights must be
+    there too (not for ``graphcp memory``, which plans from config.json alone)."""
+    if weights:
+        check_weights(args.model_path)
     cfg = read_model_config(args.model_path)
     check_model_fits(args, cfg)
     check_expert_parallel(cfg, args.ep_size)

@@ -2,24 +2,24 @@
 each with a float32 ``<name>_scale_inv`` holding one scale per ``weight_block_size`` block (edge
 blocks partial); the real weight is ``fp8.float() * scale`` of its block.
 
-One path serves every Linear weight, dense projections and MoE experts: ``quantized_names`` and
-``quantized_expert_names`` say which checkpoint tensors are FP8, ``read_dequantized`` turns any
-TP/EP slice of one into float32 (CPU, GPUs without FP8 tensor cores, MoE experts everywhere), and
-``hold_fp8`` + ``attach`` keep a dense module's slice in FP8 with the scale rows that cover it, for
-the block-scaled Triton GEMM (CUDA). A slice need not start on a block.
+FP8 stays FP8 on every device. ``quantized_names`` and ``quantized_expert_names`` say which
+checkpoint tensors are FP8; ``hold_fp8`` (on the meta model, before allocation) gives each such
+module an FP8 weight and, as a buffer, the scale rows/columns covering its TP/EP slice (a slice
+need not start on a block); ``attach`` (after loading) gives it the ``Fp8Weight`` / ``Fp8Experts``
+view the GEMMs read (``kernels/fp8_torch.py``, ``kernels/triton_fp8_gemm.py``). A module whose
+form needs the plain weight (``dequantized_at_load``: MLA's ``kv_b_proj``, split into the absorbed
+W_UK / W_UV) is read through ``read_dequantized`` instead, and only it.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 from torch import nn
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig
-from graphcp.kernels.fp8_types import FP8, FP8_MAX, Fp8Weight  # noqa: F401 - re-exported
-from graphcp.kernels.registry import chosen, probe_op
+from graphcp.kernels import fp8_torch
+from graphcp.kernels.fp8_types import FP8, Fp8Weight
 
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
@@ -137,48 +137,57 @@ def read_dequantized(
     )
 
 
-def gemm_available(device: torch.device, block: tuple[int, int]) -> bool:
-    """Keep weights in FP8 where the Triton GEMM can run them: FP8 tensor cores (compute capability
-    8.9+) and a power-of-two K block of at least 16 (one K tile per block). Elsewhere dequantize at
-    load."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    k = block[1]
-    return torch.cuda.get_device_capability(device) >= (8, 9) and k >= 16 and k & (k - 1) == 0
+def _held(module: nn.Module, name: str, quantized: set[str]) -> bool:
+    return (isinstance(module, nn.Linear) and f"{name}.weight" in quantized
+            and not getattr(module, "dequantized_at_load", False))
 
 
 def hold_fp8(model: nn.Module, quantized: set[str], block: tuple[int, int]) -> dict[str, tuple]:
-    """Before loading: each quantized module holds an FP8 weight and, as a buffer, the scale
-    rows/columns covering its shard, so the state dict (and ``stats()["weight_bytes_per_rank"]``)
-    counts what is stored. Returns the scale buffers' shards for the loader."""
+    """On the meta model, before allocation: each quantized Linear holds an FP8 weight and, as a
+    buffer, the scale rows/columns covering its shard; experts modules do the same for their
+    projections (``Experts.hold_fp8``). The state dict then counts what is stored. Returns the
+    Linear scale buffers' shards for the loader."""
     shards = {}
     for name, module in model.named_modules():
-        if f"{name}.weight" not in quantized:
+        if hasattr(module, "hold_fp8"):
+            module.hold_fp8(name, quantized, block)
+        if not _held(module, name, quantized):
             continue
         shape, device = module.weight.shape, module.weight.device
         module.weight = nn.Parameter(
             torch.empty(shape, dtype=FP8, device=device), requires_grad=False
         )
         shard = getattr(module, "shard", None)
-        row0, col0 = _origin(shard)
-        grid = (
-            -(-(row0 + shape[0]) // block[0]) - row0 // block[0],
-            -(-(col0 + shape[1]) // block[1]) - col0 // block[1],
-        )
         module.register_buffer(
-            "weight_scale_inv", torch.empty(grid, dtype=torch.float32, device=device)
+            "weight_scale_inv",
+            torch.empty(block_grid(shard, shape, block), dtype=torch.float32, device=device),
         )
         shards[scale_name(f"{name}.weight")] = scale_shard(shard, block)
     return shards
 
 
+def block_grid(shard: tuple[int, int, int] | None, shape: tuple[int, ...],
+               block: tuple[int, int]) -> tuple[int, int]:
+    """The scale blocks (rows, columns) covering a weight slice of ``shape`` at ``shard``."""
+    row0, col0 = _origin(shard)
+    return (-(-(row0 + shape[0]) // block[0]) - row0 // block[0],
+            -(-(col0 + shape[1]) // block[1]) - col0 // block[1])
+
+
+def block_rows(first: int, count: int, block: int) -> torch.Tensor:
+    """int32 [count]: the scale row of each of rows first..first+count-1 of a slice."""
+    return _block_index(first, count, block).to(torch.int32)
+
+
 def attach(model: nn.Module, block: tuple[int, int]) -> None:
-    """After loading: every module holding FP8 gets its ``fp8`` view for the GEMM."""
+    """After loading: every module holding FP8 gets its view for the GEMMs."""
     for module in model.modules():
+        if hasattr(module, "attach_fp8"):
+            module.attach_fp8()
         if getattr(module, "weight_scale_inv", None) is None:
             continue
         row0, col0 = _origin(getattr(module, "shard", None))
-        rows = _block_index(row0, module.weight.shape[0], block[0]).to(torch.int32)
+        rows = block_rows(row0, module.weight.shape[0], block[0])
         module.fp8 = Fp8Weight(
             module.weight.data,
             module.weight_scale_inv,
@@ -192,85 +201,62 @@ def is_fp8(module: nn.Module) -> bool:
     return getattr(module, "fp8", None) is not None
 
 
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` without a copy where the loader allocated the parts back to back (a
+    fusion group: ``plan_fusion``); a copy otherwise."""
+    first, end = parts[0], parts[0].data_ptr()
+    for part in parts:
+        if not part.is_contiguous() or part.data_ptr() != end or part.dtype != first.dtype:
+            return torch.cat(parts)
+        end += part.numel() * part.element_size()
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
 def fuse(linears: tuple[nn.Module, ...]) -> tuple:
-    """Concatenate FP8 projections that share their input (q/k/v, gate/up) into one GEMM: weights
-    and scale rows stack, each part's rows point into its own scales; parts keep views of the fused
-    tensors."""
+    """Projections that share their input (q/k/v, gate/up) as one GEMM: (weight, bias, sizes).
+    FP8 weights and scale rows stack, each part's rows pointing into its own scales. The parts
+    keep views of the fused tensors; loaded back to back, nothing is copied."""
+    bias = joined([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    sizes = [m.weight.shape[0] for m in linears]
+    if not is_fp8(linears[0]):
+        weight = joined([m.weight.data for m in linears])
+        _rebind(linears, weight, bias)
+        return weight, bias, sizes
     parts = [m.fp8 for m in linears]
     if len({p.k_offset for p in parts}) != 1:
         raise ValueError("fused fp8 projections must split their input the same way")
-    weight = torch.cat([p.weight for p in parts])
-    scale = torch.cat([p.scale for p in parts])
-    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
-    rows, sizes, row, block_row = [], [], 0, 0
+    weight = joined([p.weight for p in parts])
+    scale = joined([p.scale for p in parts])
+    rows, block_row = [], 0
     for m, p in zip(linears, parts):
-        n, nb = p.weight.shape[0], p.scale.shape[0]
-        m.weight.data, m.weight_scale_inv.data = (
-            weight[row : row + n],
-            scale[block_row : block_row + nb],
-        )
-        m.fp8 = Fp8Weight(m.weight.data, m.weight_scale_inv, p.scale_rows, p.k_offset, p.block)
-        if bias is not None:
-            m.bias.data = bias[row : row + n]
         rows.append(p.scale_rows + block_row)
-        sizes.append(n)
-        row, block_row = row + n, block_row + nb
+        nb = p.scale.shape[0]
+        m.weight_scale_inv.data = scale[block_row:block_row + nb]
+        block_row += nb
+    _rebind(linears, weight, bias)
+    for m, p in zip(linears, parts):
+        m.fp8 = Fp8Weight(m.weight.data, m.weight_scale_inv, p.scale_rows, p.k_offset, p.block)
     return Fp8Weight(weight, scale, torch.cat(rows), parts[0].k_offset, parts[0].block), bias, sizes
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear``, or the block-scaled FP8 GEMM for an ``Fp8Weight`` (Triton on CUDA once
-    ``probe_gemm`` accepted it at start; the torch form serves where Triton cannot)."""
-    if not isinstance(weight, Fp8Weight):
-        return nn.functional.linear(x, weight, bias)
-    fn = chosen("fp8_gemm") if x.is_cuda else None
-    if fn is None:
-        return fp8_linear_torch(x, weight, bias)
-    return fn(x, weight, bias)
+def _rebind(linears: tuple[nn.Module, ...], weight: torch.Tensor,
+            bias: torch.Tensor | None) -> None:
+    """Each part's parameters become views of the fused tensors (the same memory when joined)."""
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row:row + n]
+        if bias is not None:
+            m.bias.data = bias[row:row + n]
+        row += n
+
+
+def first_weight(model: nn.Module) -> Fp8Weight | None:
+    """One of the model's FP8 weights (the GEMM's start-up check runs on it)."""
+    return next((m.fp8 for m in model.modules() if isinstance(getattr(m, "fp8", None), Fp8Weight)),
+                None)
 
 
 def probe_gemm(model: nn.Module, dtype: torch.dtype) -> None:
-    """At engine start, eagerly: run the Triton GEMM once on one of the model's FP8 weights against its
-    torch form; one that fails or disagrees is replaced by the torch form with a warning."""
-    weight = next((m.fp8 for m in model.modules() if getattr(m, "fp8", None) is not None), None)
-    if weight is None or not weight.weight.is_cuda:
-        return
-    x = torch.randn(5, weight.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
-        weight.weight.device, dtype)
-    probe_op("fp8_gemm", lambda fn: fn(x, weight), lambda: fp8_linear_torch(x, weight), dtype)
-
-
-def quantize_activations(
-    x: torch.Tensor, block_k: int, k_offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token groups of ``block_k`` columns on the weight's K-block grid (column 0 at
-    ``k_offset``): FP8 values [M, K blocks * block_k] (zeros outside x) and float32 scales [M, K
-    blocks], amax / 448."""
-    m, k = x.shape
-    blocks = -(-(k + k_offset) // block_k)
-    padded = torch.zeros(m, blocks * block_k, dtype=torch.float32, device=x.device)
-    padded[:, k_offset : k_offset + k] = x.float()
-    groups = padded.view(m, blocks, block_k)
-    scale = groups.abs().amax(-1).clamp_min(1e-10) / FP8_MAX
-    return (groups / scale[..., None]).to(FP8).view(m, -1), scale
-
-
-def fp8_linear_torch(
-    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The torch form of the Triton GEMM, the same quantization and products in float32: its
-    reference, and the path where the kernel cannot run."""
-    k, (_, block_k) = w.weight.shape[1], w.block
-    x2 = x.reshape(-1, k)
-    xq, xs = quantize_activations(x2, block_k, w.k_offset)
-    xf = (xq.float().view(x2.shape[0], -1, block_k) * xs[..., None]).flatten(1)[
-        :, w.k_offset : w.k_offset + k
-    ]
-    cols = (torch.arange(k, device=x.device) + w.k_offset) // block_k
-    scale = w.scale.index_select(0, w.scale_rows.long()).index_select(1, cols)
-    y = xf @ (w.weight.float() * scale).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], -1)
+    fp8_torch.probe_gemm(first_weight(model), dtype)

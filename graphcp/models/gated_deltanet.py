@@ -17,14 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from graphcp.forward_context import current_attention
-from graphcp.models import fp8
 from graphcp.models.config import ModelConfig
 from graphcp.models.delta_rule import l2norm
-
-
-def project(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    """``module(x)``, through the FP8 GEMM where the loader kept the weight in FP8."""
-    return fp8.linear(x, getattr(module, "fp8", None) or module.weight, module.bias)
+from graphcp.models.parallel import Linear
 
 
 class GatedRMSNorm(nn.Module):
@@ -49,20 +44,20 @@ class GatedDeltaNet(nn.Module):
         self.layer_id, self.cfg = layer_id, h
         hidden, heads = cfg.hidden_size, h.num_v_heads
         if h.split_projections:
-            self.in_proj_qkv = nn.Linear(hidden, h.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(hidden, h.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(hidden, heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden, heads, bias=False)
+            self.in_proj_qkv = Linear(hidden, h.conv_dim, bias=False)
+            self.in_proj_z = Linear(hidden, h.value_dim, bias=False)
+            self.in_proj_b = Linear(hidden, heads, bias=False)
+            self.in_proj_a = Linear(hidden, heads, bias=False)
         else:
-            self.in_proj_qkvz = nn.Linear(hidden, 2 * h.key_dim + 2 * h.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(hidden, 2 * heads, bias=False)
+            self.in_proj_qkvz = Linear(hidden, 2 * h.key_dim + 2 * h.value_dim, bias=False)
+            self.in_proj_ba = Linear(hidden, 2 * heads, bias=False)
         # Only its weight [conv_dim, 1, kernel] is used: the op runs the conv with each window.
         self.conv1d = nn.Conv1d(h.conv_dim, h.conv_dim, h.conv_kernel, groups=h.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
         self.norm = GatedRMSNorm(h.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(h.value_dim, hidden, bias=False)
+        self.out_proj = Linear(h.value_dim, hidden, bias=False)
 
     @property
     def conv_weight(self) -> torch.Tensor:
@@ -72,14 +67,14 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> (q|k|v conv inputs [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])."""
         h, t = self.cfg, x.shape[0]
         if h.split_projections:
-            z = project(x, self.in_proj_z).view(t, h.num_v_heads, h.head_v_dim)
-            b, a = project(x, self.in_proj_b), project(x, self.in_proj_a)
-            return project(x, self.in_proj_qkv), z, b, a
+            z = self.in_proj_z(x).view(t, h.num_v_heads, h.head_v_dim)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+            return self.in_proj_qkv(x), z, b, a
         group = h.num_v_heads // h.num_k_heads
-        qkvz = project(x, self.in_proj_qkvz).view(t, h.num_k_heads, -1)
+        qkvz = self.in_proj_qkvz(x).view(t, h.num_k_heads, -1)
         q, k, v, z = qkvz.split([h.head_k_dim, h.head_k_dim, group * h.head_v_dim,
                                  group * h.head_v_dim], -1)
-        b, a = project(x, self.in_proj_ba).view(t, h.num_k_heads, 2 * group).split(group, -1)
+        b, a = self.in_proj_ba(x).view(t, h.num_k_heads, 2 * group).split(group, -1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
         return (mixed, z.reshape(t, h.num_v_heads, h.head_v_dim), b.reshape(t, -1),
                 a.reshape(t, -1))
@@ -101,4 +96,4 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = current_attention()(self.layer_id, mixed, g, beta, mixer=self).to(x.dtype)
         out = self.norm(core.reshape(-1, self.cfg.head_v_dim), z.reshape(-1, self.cfg.head_v_dim))
-        return project(out.reshape(x.shape[0], -1), self.out_proj)
+        return self.out_proj(out.reshape(x.shape[0], -1))

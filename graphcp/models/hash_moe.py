@@ -13,6 +13,7 @@ from graphcp.errors import ConfigError
 from graphcp.forward_context import current_moe_communicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.moe import EPInfo, Experts
+from graphcp.models.parallel import Linear
 
 _SCORES = {"sqrtsoftplus": lambda x: nn.functional.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
 
@@ -61,24 +62,14 @@ class ClampedExperts(Experts):
     """graphcp's fused experts with V4's clamped SwiGLU, in torch on every device (the Triton
     grouped GEMM has no clamp)."""
 
+    triton_form = False
+
     def __init__(self, cfg: ModelConfig, ep: EPInfo) -> None:
         super().__init__(cfg, ep)
         self.limit = cfg.v4.swiglu_limit
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every local expert on every row, weighted by the row's weight for it (0 where not
-        routed there): static shapes, no host sync."""
-        local, inter = ids - self.first, self.down_proj.shape[-1]
-        out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
-            w = (weights * (local == e).to(weights.dtype)).sum(-1, keepdim=True)
-            h = nn.functional.linear(x, self.gate_up_proj[e])
-            out = out + nn.functional.linear(_swiglu(h[:, :inter], h[:, inter:], self.limit),
-                                             self.down_proj[e]) * w
-        return out
-
-    def probe(self) -> None:
-        """No kernel to check: the torch form runs everywhere."""
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _swiglu(gate, up, self.limit)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -91,9 +82,9 @@ class ClampedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
         self.limit = cfg.v4.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

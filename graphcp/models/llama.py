@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from graphcp.forward_context import current_attention, current_communicator
-from graphcp.models import fp8
+from graphcp.kernels.fp8_torch import linear
+from graphcp.models.fp8 import fuse
 from graphcp.models.config import ModelConfig
 from graphcp.models.decoder import DecoderLayer, DecoderLM
 from graphcp.models.layers import RMSNorm, RotaryEmbedding
@@ -17,32 +18,16 @@ from graphcp.models.moe import EPInfo, MoEBlock
 from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo
 
 
-def _fuse(linears: tuple[nn.Linear, ...]) -> tuple:
-    """Concatenate the output rows of ``linears``; each keeps its parameter as a view (no extra memory)."""
-    if fp8.is_fp8(linears[0]):                       # FP8 kept for the GEMM: weights and block scales
-        return fp8.fuse(linears)
-    weight = torch.cat([m.weight.data for m in linears])
-    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
-    sizes, start = [], 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = weight[start:start + n]
-        if bias is not None:
-            m.bias.data = bias[start:start + n]
-        sizes.append(n)
-        start += n
-    return weight, bias, sizes
-
-
 def _project(x: torch.Tensor, fused: tuple | None) -> torch.Tensor:
     """[T, sum of sizes]: the fused projections' outputs side by side (F.linear, or the FP8 GEMM)."""
     if fused is None:
         raise RuntimeError("projections are not fused: call CausalLM.fuse_projections() after loading weights")
-    return fp8.linear(x, fused[0], fused[1])
+    return linear(x, fused[0], fused[1])
 
 
 class SelfAttention(nn.Module):
     keeps_rows = True       # can compute some rows' outputs only (DecoderLM.prunes_last_layer)
+    fused_projections = (("q_proj", "k_proj", "v_proj"),)      # laid out back to back at load
 
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo) -> None:
         super().__init__()
@@ -61,8 +46,8 @@ class SelfAttention(nn.Module):
         self.qkv: tuple | None = None  # (weight, bias, split sizes) after fuse()
 
     def fuse(self) -> None:
-        """One GEMM for q, k and v: their loaded weights become views of one concatenated tensor."""
-        self.qkv = _fuse((self.q_proj, self.k_proj, self.v_proj))
+        """One GEMM for q, k and v (their weights are views of it)."""
+        self.qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +70,7 @@ class GatedMLP(nn.Module):
     """Dense FFN, split over the FFN TP group; the layer communicator brings it the tokens it serves."""
 
     keeps_rows = True       # row-wise: any subset of rows
+    fused_projections = (("gate_proj", "up_proj"),)
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
         super().__init__()
@@ -94,7 +80,7 @@ class GatedMLP(nn.Module):
         self.gate_up: tuple | None = None
 
     def fuse(self) -> None:
-        self.gate_up = _fuse((self.gate_proj, self.up_proj))
+        self.gate_up = fuse((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = current_communicator()

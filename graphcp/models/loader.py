@@ -18,9 +18,9 @@ from graphcp.models import fp8
 from graphcp.models.config import ModelConfig, read_model_config
 from graphcp.models.decoder import DecoderLM
 from graphcp.models.deepseek_v4_names import RenamedReader
-from graphcp.models.families import model_class
 from graphcp.models.gguf import GGUFTensors, is_gguf
-from graphcp.models.moe import EPInfo, Experts
+from graphcp.models.meta import checkpoint_tensors, experts_modules, rank_model
+from graphcp.models.moe import EPInfo
 from graphcp.models.parallel import TPInfo
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -47,68 +47,38 @@ def _weight_files(model_path: str) -> dict[str, str]:
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
-               layers: range | None = None, ffn_tp: TPInfo | None = None, ep: EPInfo | None = None,
-               keep_fp8: bool | None = None) -> DecoderLM:
-    """``ep``: this rank's experts (MoE). ``keep_fp8`` (FP8 checkpoints): hold FP8 weights for the
-    block-scaled GEMM instead of dequantizing them at load; None = where that GEMM runs."""
+               layers: range | None = None, ffn_tp: TPInfo | None = None,
+               ep: EPInfo | None = None) -> DecoderLM:
+    """This rank's slice of the checkpoint, every tensor allocated once in its final dtype (FP8
+    weights stay FP8 on every device) and filled one checkpoint tensor at a time: the peak is the
+    resident weights plus the tensor being read. ``ep``: this rank's experts (MoE)."""
     cfg = read_model_config(model_path)
     reader = _GGUFReader(model_path, cfg) if is_gguf(model_path) else _Reader(_weight_files(model_path))
     if cfg.v4 is not None:               # DeepSeek's tensor names, seen as transformers names
         reader = RenamedReader(reader)
     names = set(reader.shapes)
-    family = model_class(cfg)
-    with torch.device("meta"):
-        full = family(cfg)
-        model = family(cfg, tp, layers, ffn_tp, ep)
-    quantized = set(fp8.quantized_names(full, cfg))
-    expected = {n: tuple(p.shape) for n, p in full.state_dict().items()}
-    for prefix, experts in _experts(full):      # fused expert parameters load from per-expert or fused tensors
-        del expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"]
-        tensors = experts.checkpoint_tensors(prefix, names, cfg.hidden_size)
-        expected.update(tensors)
-        quantized.update(fp8.quantized_expert_names(prefix, tensors, cfg))
+    expected, quantized = checkpoint_tensors(cfg, names)
     _check_names_and_shapes(cfg, expected, reader, quantized)
-    model = _materialize(model, device).to(dtype)
-    for module in model.modules():        # routers and the like that HF keeps in fp32
-        if getattr(module, "keep_fp32", False):
-            module.float()
-        for name in getattr(module, "fp32_tensors", ()):     # single parameters or buffers
-            getattr(module, name).data = getattr(module, name).data.float()
-    # A row-split layer's bias is whole on every rank (added once after the sum); other biases split with rows.
-    shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
-              for p in ("weight", "bias")
-              if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
-    if keep_fp8 is None:
-        keep_fp8 = cfg.fp8_block is not None and fp8.gemm_available(device, cfg.fp8_block)
-    # MLA's absorbed form needs kv_b_proj dequantized; V4's grouped o_a_proj is a batched GEMM
-    keep_fp8 = keep_fp8 and cfg.dsa is None and cfg.v4 is None
-    if quantized and keep_fp8:
-        shards.update(fp8.hold_fp8(model, quantized, cfg.fp8_block))
-
+    model, shards = rank_model(cfg, dtype, quantized, tp, layers, ffn_tp, ep)
+    model = _materialize(model, device)
     read = _power_of_two_scales(reader.read) if cfg.fp8_scale_fmt == "ue8m0" else reader.read
-
-    def read_expert(source: str, shard: tuple[int, int, int]) -> torch.Tensor:
-        """FP8 experts are dequantized at load on every device (no FP8 grouped GEMM yet)."""
-        if source in quantized:
-            return _finite(source, fp8.read_dequantized(read, source, shard, cfg.fp8_block))
-        return _finite(source, read(source, shard))
-
-    expert_params = {f"{prefix}.{p}" for prefix, _ in _experts(model) for p in ("gate_up_proj", "down_proj")}
+    experts = experts_modules(model)
+    expert_tensors = {f"{prefix}.{n}" for prefix, m in experts for n in m.state_dict()}
     with torch.no_grad():
         for name, param in model.state_dict().items():
-            if name in expert_params:
+            if name in expert_tensors:
                 continue
             source = model.source_name(name)
-            if source in quantized and not keep_fp8:
+            if source in quantized and param.dtype != fp8.FP8:     # a form that needs it dequantized
                 tensor = fp8.read_dequantized(read, source, shards.get(name), cfg.fp8_block)
             else:
                 tensor = read(source, shards.get(name))
             param.copy_(_finite(source, tensor))
-
-        for prefix, experts in _experts(model):   # each rank reads only its experts and its expert-TP slice
-            experts.load(prefix, names, read_expert,
-                         lambda source, index: _finite(source, reader.take(source, index)))
-    if quantized and keep_fp8:
+            del tensor
+        for prefix, module in experts:      # each rank reads only its experts and its expert-TP slice
+            module.load(prefix, names, lambda source, shard: _finite(source, read(source, shard)),
+                        lambda source, index: _finite(source, reader.take(source, index)))
+    if quantized:
         fp8.attach(model, cfg.fp8_block)
     model.fuse_projections()
     model.rotary.build(device)
@@ -117,19 +87,21 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
     return model
 
 
-def _experts(model: DecoderLM) -> list[tuple[str, Experts]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
-
-
 def _materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """``to_empty`` without its meta-tensor path (``empty_like`` of a meta tensor imports sympy
-    through torch's reference ops: most of a second of every rank's start). Shared tensors stay
-    shared (keyed by the original, kept alive so its id is not reused)."""
+    """Real tensors for the meta model's, with its layout: tensors that share a meta storage (a
+    fusion group laid out back to back) share one allocation, at the same offsets; shared tensors
+    stay shared. No ``to_empty``: ``empty_like`` of a meta tensor imports sympy through torch's
+    reference ops, most of a second of every rank's start."""
+    storages: dict[int, tuple] = {}
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def replace(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in made:
-            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            storage = t.untyped_storage()
+            if storage._cdata not in storages:       # keep the meta storage alive: ids stay unique
+                flat = torch.empty(storage.nbytes() // t.element_size(), dtype=t.dtype, device=device)
+                storages[storage._cdata] = (storage, flat)
+            new = storages[storage._cdata][1].as_strided(t.shape, t.stride(), t.storage_offset())
             if isinstance(t, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=t.requires_grad)
             made[id(t)] = (t, new)
@@ -158,8 +130,13 @@ def _power_of_two_scales(read):  # noqa: ANN001, ANN202 - the reader's read(name
 
 
 def _finite(source: str, tensor: torch.Tensor) -> torch.Tensor:
-    values = tensor.float() if tensor.dtype == fp8.FP8 else tensor
-    if tensor.is_floating_point() and not torch.isfinite(values).all():
+    """The tensor, or a ConfigError naming it if it holds NaN or Inf (float8_e4m3fn has no Inf; its
+    NaN is every exponent and mantissa bit set, checked on the bytes: no fp32 copy)."""
+    if tensor.dtype == fp8.FP8:
+        bad = bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any())
+    else:
+        bad = tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    if bad:
         raise ConfigError(f"--model-path: tensor {source} holds NaN or Inf values")
     return tensor
 

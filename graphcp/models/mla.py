@@ -17,7 +17,7 @@ from torch import nn
 from graphcp.forward_context import current_attention
 from graphcp.models.config import ModelConfig
 from graphcp.models.layers import RMSNorm, rope_torch
-from graphcp.models.parallel import ColumnLinear, RowLinear, TPInfo
+from graphcp.models.parallel import ColumnLinear, Linear, RowLinear, TPInfo
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,8 +52,8 @@ class Indexer(nn.Module):
         d = cfg.dsa
         self.heads, self.head_dim = d.index_n_heads, d.index_head_dim
         self.rope_dim = d.qk_rope_head_dim
-        self.wq_b = nn.Linear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, d.index_head_dim, bias=False)
+        self.wq_b = Linear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, bias=False)
+        self.wk = Linear(cfg.hidden_size, d.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.index_head_dim, eps=1e-6)
         self.weights_proj = Fp32Projection(cfg.hidden_size, d.index_n_heads)
         self.rope = rope_interleaved if d.indexer_rope_interleaved else rope_torch
@@ -80,16 +80,18 @@ class MLAttention(nn.Module):
         if d.q_lora_rank is None:           # DeepSeek-V3 without a query LoRA
             self.q_proj = ColumnLinear(hidden, heads * d.qk_head_dim, False, tp, unit=d.qk_head_dim)
         else:
-            self.q_a_proj = nn.Linear(hidden, d.q_lora_rank, bias=d.attention_bias)
+            self.q_a_proj = Linear(hidden, d.q_lora_rank, bias=d.attention_bias)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, 1e-6)
             self.q_b_proj = ColumnLinear(d.q_lora_rank, heads * d.qk_head_dim, False, tp,
                                          unit=d.qk_head_dim)
         latent = d.kv_lora_rank
         rope, bias = d.qk_rope_head_dim, d.attention_bias
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, latent + rope, bias=bias)
+        self.kv_a_proj_with_mqa = Linear(hidden, latent + rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6)
         unit = d.qk_nope_head_dim + d.v_head_dim
         self.kv_b_proj = ColumnLinear(latent, heads * unit, False, tp, unit=unit)
+        # The op splits it into the absorbed W_UK / W_UV: the one weight kept dequantized (FP8).
+        self.kv_b_proj.dequantized_at_load = True
         self.o_proj = RowLinear(heads * d.v_head_dim, hidden, tp, unit=d.v_head_dim, bias=bias)
         self.sparse = d.index_topk > 0       # DSA: the indexer's top-k selects the keys
         # GLM "shared" layers have no indexer: they reuse the previous layer's top-k.

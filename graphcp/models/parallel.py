@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphcp.dist.comm import all_gather_into, all_reduce
-from graphcp.models.fp8 import linear
+from graphcp.distributed.comm import all_gather_into, all_reduce
+from graphcp.kernels.fp8_torch import linear
+from graphcp.kernels.fp8_types import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,17 @@ def pipeline_stage(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, in
     return start, start + sizes[pp_rank]
 
 
-class ColumnLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight may be FP8 (``fp8``, set by the loader): every projection of
+    every family runs through the one FP8 dispatch (``kernels/fp8_torch.linear``)."""
+
+    fp8: Fp8Weight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.fp8 or self.weight, self.bias)
+
+
+class ColumnLinear(Linear):
     """Output features split across the group; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, unit: int = 1) -> None:
@@ -59,7 +70,7 @@ class ColumnLinear(nn.Linear):
         self.shard = (0, start, end)
 
 
-class RowLinear(nn.Linear):
+class RowLinear(Linear):
     """Input features split across the group; partial outputs are summed over the group (``reduce``),
     or left partial for a caller that reduces them itself (a reduce-scatter, then ``add_bias``). A bias is
     whole on every rank and added once, after the sum."""
@@ -71,7 +82,7 @@ class RowLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        weight = getattr(self, "fp8", None) or self.weight      # FP8 checkpoints on CUDA: the FP8 GEMM
+        weight = self.fp8 or self.weight
         if reduce and self.tp.size == 1:
             return linear(x, weight, self.bias)          # one GEMM with the bias, as an unsplit Linear
         y = linear(x, weight)

@@ -18,12 +18,12 @@ from graphcp.errors import ConfigError
 from graphcp.forward_context import current_attention, current_moe_communicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.decoder import DecoderLM
-from graphcp.models.gated_deltanet import GatedDeltaNet, project
+from graphcp.models.gated_deltanet import GatedDeltaNet
 from graphcp.models.hybrid_config import LINEAR
 from graphcp.models.layers import RotaryEmbedding
 from graphcp.models.llama import GatedMLP
 from graphcp.models.moe import EPInfo, Experts, SoftmaxTopKRouter
-from graphcp.models.parallel import TPInfo
+from graphcp.models.parallel import Linear, TPInfo
 
 
 class OffsetRMSNorm(nn.Module):
@@ -52,25 +52,25 @@ class GatedAttention(nn.Module):
         self.layer_id, self.head_dim = layer_id, d
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.rotary_dim = cfg.hybrid.rotary_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * cfg.q_size, bias=bias)   # per head: q, gate
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, 2 * cfg.q_size, bias=bias)   # per head: q, gate
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.rotary = [rotary]      # shared, not a submodule
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t, d, r = x.shape[0], self.head_dim, self.rotary_dim
-        q, gate = project(x, self.q_proj).view(t, self.num_heads, 2 * d).split(d, -1)
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * d).split(d, -1)
         q = self.q_norm(q)
-        k = self.k_norm(project(x, self.k_proj).view(t, self.num_kv_heads, d))
-        v = project(x, self.v_proj).view(t, self.num_kv_heads, d)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
         q_rot, k_rot = self.rotary[0](positions, q[..., :r], k[..., :r])
         q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
         out = current_attention()(self.layer_id, q, k, v)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return project(out, self.o_proj)
+        return self.o_proj(out)
 
 
 class SharedExpertMoE(nn.Module):
@@ -84,14 +84,14 @@ class SharedExpertMoE(nn.Module):
         shared = replace(cfg, intermediate_size=cfg.hybrid.shared_expert_intermediate_size,
                          mlp_bias=False)
         self.shared_expert = GatedMLP(shared, ffn_tp)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def fuse(self) -> None:
         self.shared_expert.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = current_moe_communicator().run(x, self.gate, self.experts)
-        shared = torch.sigmoid(project(x, self.shared_expert_gate)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
 
 

@@ -10,6 +10,9 @@ from graphcp.errors import ConfigError
 from graphcp.models.gguf import check_file, is_gguf
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def tokenizer(model_path: str):  # noqa: ANN201
     """``AutoTokenizer`` for ``model_path``: a GGUF's embedded vocabulary, merges and chat template,
     or the tokenizer files of an HF checkpoint dir. transformers is imported only here (the engine
@@ -24,6 +27,11 @@ def tokenizer(model_path: str):  # noqa: ANN201
         return _from_gguf(AutoTokenizer, model_path)
     if not os.path.isdir(model_path):
         raise ConfigError(f"--model-path {model_path!r} is neither a .gguf file nor a directory")
+    present = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, f))]
+    if not present:     # transformers would build an empty tokenizer from config.json alone
+        raise ConfigError(f"--model-path {model_path!r} has no tokenizer (none of "
+                          f"{', '.join(_TOKENIZER_FILES)}); use a checkpoint with its tokenizer files, "
+                          "or give token ids (Request.input_ids) instead of text")
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ from graphcp.models.config import ModelConfig
 from graphcp.pd.layout import SlotLayout, layout_for, parse_destination
 
 if TYPE_CHECKING:
-    from graphcp.dist.parallel import RankParallel
+    from graphcp.distributed.parallel import RankParallel
     from graphcp.planner import Planner
 from graphcp.pd.mooncake import start_engine
 

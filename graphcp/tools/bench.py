@@ -53,10 +53,10 @@ def run(argv: list[str]) -> int:
     # Engine defaults (CP=1): the fair comparison with HF on the same devices; pass the CP flags to bench CP.
     parser = engine_parser("graphcp bench", "graphcp graph vs eager vs HF transformers, side by side.", cp_default=1)
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="NxL: N requests of L tokens")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--json", dest="json_out", default=None)
-    parser.add_argument("--plot", default="graphcp-bench.png")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per case (medians reported)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON")
+    parser.add_argument("--plot", default=None, help="also draw the results into this PNG file")
     parser.add_argument("--adaptive", action="store_true",
                         help="instead of the cases: static zigzag vs adaptive CP vs unsharded on an all-short and a "
                              "mixed batch, side by side at the run's CP size (default CP 2)")

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=3,
                         help=f"timed runs per length (median), one from {ONE_RUN_FROM} tokens")
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--plot", default="graphcp-scale.png", help="PNG path ('' for none)")
+    parser.add_argument("--plot", default=None, help="also draw the log-log plot into this PNG file")
     parser.add_argument("--json", dest="json_out", default=None)
     return parser
 

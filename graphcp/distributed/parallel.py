@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.config import EngineArgs
-from graphcp.dist.comm import CPComm, FFNCommunicator, all_reduce
-from graphcp.dist.moe_comm import moe_communicator
-from graphcp.dist.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
+from graphcp.distributed.comm import CPComm, FFNCommunicator, all_reduce
+from graphcp.distributed.moe_comm import moe_communicator
+from graphcp.distributed.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
 from graphcp.forward_context import MoECommunicator
 from graphcp.models.config import ModelConfig
 from graphcp.models.moe import EPInfo
@@ -40,21 +40,14 @@ class RankParallel:
         groups = build_groups(args, me) if args.world_size > 1 else Groups(None, None)
         atp = args.attn_tp_size
         comm = CPComm(groups.cp, args.cp_size, me.cp_rank) if args.cp_size > 1 else None
-        attn_tp = TPInfo(atp, me.attn_tp_rank, groups.attn_tp)
+        shards = rank_shards(args, cfg, rank, groups)
         tp_rank = rank % args.tp_size
-        # The dense FFN is split over the whole TP world by default; when that is wider than attention TP,
-        # a layer communicator gathers every CP/DP rank's tokens before it and hands each rank its rows after.
-        wide = args.resolved_ffn_tp_size > atp
-        ffn_tp = TPInfo(args.tp_size, tp_rank, groups.tp) if wide else attn_tp
+        wide = shards.ffn_tp.size > atp
         communicator = FFNCommunicator(groups.tp, args.tp_size, atp, tp_rank // atp) if wide else None
-        layers = range(*pipeline_stage(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
-        # MoE: experts split over EP ranks of the TP world, each over expert TP (see dist/moe_comm.py).
-        ep_rank, expert_tp_rank = expert_place(args, rank)
-        ep = EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
         moe = moe_communicator(args, cfg.num_experts, groups, tp_rank, me.attn_tp_rank) if cfg.moe_layers else None
-        return cls(me, groups, comm, attn_tp, ffn_tp, communicator, ep, moe, layers, me.pp_rank == 0,
-                   me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device,
+        return cls(me, groups, comm, shards.attn_tp, shards.ffn_tp, communicator, shards.ep, moe, shards.layers,
+                   me.pp_rank == 0, me.pp_rank == args.pp_size - 1, ranks_per_device(device, local_world), device,
                    [rank_of(args, me.pp_rank, me.dp_rank, c, me.attn_tp_rank) for c in range(args.cp_size)])
 
     def average(self, values: torch.Tensor) -> torch.Tensor:
@@ -81,6 +74,33 @@ class RankParallel:
         flag = torch.tensor([0 if ok else 1], dtype=torch.long, device=self.device)
         all_reduce(flag, self.groups.tp)
         return int(flag.item()) == 0
+
+
+@dataclass(frozen=True)
+class RankShards:
+    """What a rank's model holds: its heads and vocabulary (attention TP), its slice of the dense
+    FFN, its experts and their slice, its pipeline stage's layers."""
+    attn_tp: TPInfo
+    ffn_tp: TPInfo
+    ep: EPInfo
+    layers: range
+
+
+def rank_shards(args: EngineArgs, cfg: ModelConfig, rank: int, groups: Groups | None = None) -> RankShards:
+    """A rank's shards from the flags alone (``graphcp memory`` builds every rank's model from
+    them without a process group; ``groups`` attaches the collectives at start)."""
+    groups = groups or Groups(None, None)
+    me = rank_info(args, rank)
+    attn_tp = TPInfo(args.attn_tp_size, me.attn_tp_rank, groups.attn_tp)
+    # The dense FFN is split over the whole TP world by default; when that is wider than attention TP,
+    # a layer communicator gathers every CP/DP rank's tokens before it and hands each rank its rows after.
+    wide = args.resolved_ffn_tp_size > args.attn_tp_size
+    ffn_tp = TPInfo(args.tp_size, rank % args.tp_size, groups.tp) if wide else attn_tp
+    layers = range(*pipeline_stage(cfg.num_hidden_layers, args.pp_size, me.pp_rank))
+    # MoE: experts split over EP ranks of the TP world, each over expert TP (see distributed/moe_comm.py).
+    ep_rank, expert_tp_rank = expert_place(args, rank)
+    return RankShards(attn_tp, ffn_tp, EPInfo(args.ep_size, ep_rank, args.expert_tp_size, expert_tp_rank),
+                      layers)
 
 
 def ranks_per_device(device: torch.device, local_world_size: int) -> int:

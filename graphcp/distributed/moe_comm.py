@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphcp.dist.comm import FFNCommunicator, all_gather_into
+from graphcp.distributed.comm import FFNCommunicator, all_gather_into
 from graphcp.forward_context import current_valid_rows, route
 from graphcp.graph.protocol import capture_active, graph_break
 from graphcp.profiling import nvtx_range

@@ -1,0 +1,63 @@
+"""The MoE experts in torch: the form that serves on CPU, the oracle of the Triton grouped GEMMs,
+and the only form for activations the kernels do not have (DeepSeek V4's clamp). The FP8 grouped
+GEMM's oracle (``experts_fp8_torch``) also rounds each projection's input to FP8 as it does."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from graphcp.kernels.fp8_torch import dequantize_expert, rounded_activations
+from graphcp.kernels.fp8_types import Fp8Experts
+
+# (gate [N, I], up [N, I]) -> the expert's intermediate activation [N, I]
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# local expert -> (gate_up [2 I, H], down [H, I]) in the activation dtype
+ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return nn.functional.silu(gate) * up
+
+
+def experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_local: int,
+                  first: int, expert_weights: ExpertWeights,
+                  activation: Activation = silu_and_mul) -> torch.Tensor:
+    """Every local expert runs on every row, weighted by the row's routing weight for it (0 where
+    it is not routed there). More arithmetic than gathering each expert's rows, but static shapes
+    and no host sync, so it stays inside a graph. ``expert_weights`` gives one expert's weights at
+    a time: FP8 experts are dequantized one expert per call, never all at once."""
+    local = ids - first
+    out = torch.zeros_like(x)
+    for e in range(num_local):
+        gate_up, down = expert_weights(e)
+        inter = down.shape[-1]
+        w = (weights * (local == e).to(weights.dtype)).sum(-1, keepdim=True)        # [N, 1]
+        h = nn.functional.linear(x, gate_up)
+        out = out + nn.functional.linear(activation(h[:, :inter], h[:, inter:]), down) * w
+    return out
+
+
+def dense_experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor, first: int) -> torch.Tensor:
+    """``experts_torch`` over plain fused weights, gate_up [E, 2 I, H] and down [E, H, I]: the
+    contract of the Triton grouped GEMM (``triton_moe.triton_experts``)."""
+    return experts_torch(x, ids, weights, gate_up.shape[0], first, lambda e: (gate_up[e], down[e]))
+
+
+def experts_fp8_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      gate_up: Fp8Experts, down: Fp8Experts, first: int) -> torch.Tensor:
+    """The FP8 grouped GEMM's arithmetic (``triton_moe.triton_experts_fp8``) in torch: each
+    projection's input quantized per token and K group on its weight's grid, products in fp32 with
+    one expert dequantized at a time, the gate_up output in x's dtype before the gating."""
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        act = silu_and_mul(gate.to(x.dtype), up.to(x.dtype))
+        return rounded_activations(act, down.block[1], down.k_offset)
+
+    def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(dequantize_expert(w, e, torch.float32) for w in (gate_up, down))
+
+    xr = rounded_activations(x, gate_up.block[1], gate_up.k_offset)
+    num_local = gate_up.weight.shape[0]
+    return experts_torch(xr, ids, weights, num_local, first, expert_weights, activation).to(x.dtype)
