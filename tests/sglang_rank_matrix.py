@@ -26,7 +26,7 @@ from parity import random_ids  # noqa: E402
 from test_sglang_pd import Harness  # noqa: E402
 
 from graphcp import Engine, EngineArgs, Request  # noqa: E402
-from graphcp.dist.procs import free_port  # noqa: E402
+from graphcp.distributed.procs import free_port  # noqa: E402
 
 CASES = {  # name: (model, engine flags, decode TP)
     "tp1_into_decode_tp2": ("dense", {}, 2),

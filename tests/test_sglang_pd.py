@@ -39,7 +39,7 @@ from mla_checkpoint import DEEPSEEK_V3, write_release  # noqa: E402
 from parity import TOL, random_ids  # noqa: E402
 
 from graphcp import ConfigError, EngineArgs, Request, RequestError  # noqa: E402
-from graphcp.dist.procs import free_port  # noqa: E402
+from graphcp.distributed.procs import free_port  # noqa: E402
 from graphcp.pd.sglang.sampling import SamplingParams, first_token  # noqa: E402
 
 VOCAB = 211
