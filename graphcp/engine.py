@@ -64,7 +64,7 @@ class Engine:
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.world_size > 1:                 # model-dependent flags, before any rank process starts
-            from graphcp.models.flags import check_model_flags
+            from graphcp.checkpoint.config import check_model_flags
             check_model_flags(args)
         if args.attention_kernel == "triton" and args.resolved_device() == "cpu":
             from graphcp.kernels.registry import use_triton_interpreter

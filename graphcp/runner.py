@@ -35,9 +35,10 @@ from graphcp.kernels.registry import chosen
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
 from graphcp.memory import graph_reserve
-from graphcp.models import fp8, load_model
-from graphcp.models.flags import check_model_flags
-from graphcp.models.moe import probe_experts
+from graphcp.models.common.quantized import probe_gemm
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import check_model_flags
+from graphcp.models.common.moe import probe_experts
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range
 
@@ -59,7 +60,7 @@ class ModelRunner:
                                 par.ep)
         if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
             probe_layer_ops(self.device, self.dtype)
-            fp8.probe_gemm(self.model, self.dtype)
+            probe_gemm(self.model, self.dtype)
             probe_experts(self.model, self.dtype)
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)

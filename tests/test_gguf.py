@@ -17,10 +17,10 @@ import torch
 
 import graphcp
 from graphcp import ConfigError, Engine, EngineArgs, Request
-from graphcp.models import read_model_config
-from graphcp.models.gguf import GGUFTensors, reader
-from graphcp.models.loader import load_model
-from graphcp.models.real_model import smollm2_path
+from graphcp.checkpoint.config import read_model_config
+from graphcp.checkpoint.gguf import GGUFTensors, reader
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.real_model import smollm2_path
 from graphcp.tools.generate import chat_ids, greedy_generate
 from hf_reference import rel_err
 from parity import TOL

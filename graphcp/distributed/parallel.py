@@ -13,8 +13,8 @@ from graphcp.distributed.moe_comm import moe_communicator
 from graphcp.distributed.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
 from graphcp.forward_context import MoECommunicator
 from graphcp.models.config import ModelConfig
-from graphcp.models.moe import EPInfo
-from graphcp.models.parallel import TPInfo, pipeline_stage
+from graphcp.distributed.shards import EPInfo
+from graphcp.distributed.shards import TPInfo, pipeline_stage
 
 
 @dataclass

@@ -43,7 +43,7 @@ def rank_work(strategy, extend_lens: list[int], cost) -> list[float]:  # noqa: A
 def adaptive_bench(args: EngineArgs, reps: int = 3, seed: int = 0) -> dict:
     from graphcp import Engine
     from graphcp.cp.strategy import ZigzagStrategy
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)
     batches = {name: [[rng.randrange(vocab) for _ in range(n)] for n in lens] for name, lens in CASES.items()}
