@@ -18,7 +18,8 @@ import torch.distributed as dist
 from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
-from graphcp.distributed.procs import child_env, free_port, rss_bytes
+from graphcp.distributed.procs import child_env, free_port
+from graphcp.profiling import rss_bytes
 from graphcp.errors import DEAD, WIRE_KINDS, ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")

@@ -60,10 +60,10 @@ def graph_reserve(args: EngineArgs, cfg: ModelConfig, device: str) -> tuple[int,
     captures, and whether the model's attention is MLA (a larger fixed reserve)."""
     kinds = layer_kinds(cfg, range(cfg.num_hidden_layers))
     reason = next((k.graph_reason for k in kinds.values() if k.graph_reason), None)
-    mla = family_of(cfg).latent_attention
+    latent = family_of(cfg).latent_attention
     if config_ineligibility(args, args.resolved_backend(), reason) is not None:
-        return 0, mla
-    return len(args.cuda_graph_buckets or DEFAULT_BUCKETS[device]), mla
+        return 0, latent
+    return len(args.cuda_graph_buckets or DEFAULT_BUCKETS[device]), latent
 
 
 def device_capacity(device: str, device_gib: float | None) -> int:

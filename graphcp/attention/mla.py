@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphcp.attention.context import AttentionContext
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.graph.protocol import graph_break
 from graphcp.kernels.mla_torch import MLAArgs, MLADims, mla_attention
 from graphcp.models.deepseek.rope import softmax_scale
