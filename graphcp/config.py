@@ -11,7 +11,6 @@ import torch
 
 from graphcp.errors import ConfigError
 from graphcp.kernels.registry import ATTENTION_CHOICES
-from graphcp.models.gguf import check_file, is_gguf
 
 STRATEGIES = ("zigzag", "interleave")
 BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
@@ -76,7 +75,7 @@ class EngineArgs:
             raise ConfigError("--model-path is required: a directory with config.json and *.safetensors, "
                               "or a .gguf file")
         if is_gguf(self.model_path):
-            check_file(self.model_path)
+            check_gguf_file(self.model_path)
         elif not os.path.isdir(self.model_path):
             raise ConfigError(f"--model-path {self.model_path!r} is not a directory")
         else:
@@ -319,6 +318,19 @@ class _RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"bad flags: {message}")
+
+
+def is_gguf(model_path: str) -> bool:
+    return model_path.endswith(".gguf")
+
+
+def check_gguf_file(model_path: str) -> None:
+    """The cheap check EngineArgs makes: an existing file that starts with the GGUF magic."""
+    if not os.path.isfile(model_path):
+        raise ConfigError(f"--model-path {model_path!r}: no such GGUF file")
+    with open(model_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"--model-path {model_path!r} is not a GGUF file (no GGUF magic bytes)")
 
 
 def _check_hf_dir(path: str) -> None:

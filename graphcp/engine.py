@@ -18,7 +18,8 @@ import torch.distributed as dist
 from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
-from graphcp.distributed.procs import child_env, free_port, rss_bytes
+from graphcp.distributed.procs import child_env, free_port
+from graphcp.profiling import rss_bytes
 from graphcp.errors import DEAD, WIRE_KINDS, ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")
@@ -65,7 +66,7 @@ class Engine:
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.world_size > 1:                 # model-dependent flags, before any rank process starts
-            from graphcp.models.flags import check_model_flags
+            from graphcp.checkpoint.config import check_model_flags
             check_model_flags(args)
         if args.disaggregation_bootstrap_port is not None:    # a model SGLang cannot take: before any rank
             from graphcp.pd.sglang.serving import check_model

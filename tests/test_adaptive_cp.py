@@ -18,7 +18,7 @@ def test_placement_covers_every_token_once():
     ext, prefix = [5, 100, 30, 1, 47, 60, 9], [0, 3, 10, 0, 2, 0, 40]
     placed = strategy.for_batch(ext, prefix)
     assert [w == 0 for w in placed.whole_on] == [n >= THRESHOLD for n in ext]
-    counts, cap = placed.per_rank_tokens(ext), strategy.plan(ext, prefix, 0).local_cap
+    counts, cap = placed.per_rank_tokens(ext), strategy.layout(ext, prefix, 0).local_cap
     assert sum(counts) == sum(ext)
     lens, pre = torch.tensor(ext), torch.tensor(prefix)
     pages = torch.arange(len(ext) * 160).view(len(ext), 160)

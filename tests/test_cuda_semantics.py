@@ -11,7 +11,7 @@ import torch
 
 from graphcp.attention.op import _attend_break
 from graphcp.kernels.registry import KERNELS, KernelArgs
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.graph import cuda as cuda_backend
 from graphcp.graph.cpu import CpuCapture
 from graphcp.graph.protocol import capture_active, graph_break

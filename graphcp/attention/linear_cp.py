@@ -31,7 +31,7 @@ from graphcp.attention.linear_op import (LocalLinearAttention, RequestStates, Se
                                          chunk_layout)
 from graphcp.distributed.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
-from graphcp.models.delta_rule import block_transition, causal_conv, last_inputs, state_outputs
+from graphcp.kernels.delta_rule_torch import block_transition, causal_conv, last_inputs, state_outputs
 
 
 def gathered_index(block_lens: torch.Tensor) -> torch.Tensor:

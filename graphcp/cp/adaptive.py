@@ -14,7 +14,7 @@ import torch
 
 from graphcp.cp.host_metadata import zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, zigzag_metadata
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.cp.strategy import ZigzagStrategy
 
 log = logging.getLogger("graphcp")
@@ -82,7 +82,7 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
     def _placement(self, extend_lens: list[int]) -> list[int]:
         """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a bug."""
         if self.whole_on is None or len(self.whole_on) != len(extend_lens):
-            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or plan) for a batch")
+            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or layout) for a batch")
         return self.whole_on
 
     def per_rank_tokens(self, extend_lens: list[int]) -> list[int]:

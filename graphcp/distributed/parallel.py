@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -12,9 +13,15 @@ from graphcp.distributed.comm import CPComm, FFNCommunicator, all_reduce
 from graphcp.distributed.moe_comm import moe_communicator
 from graphcp.distributed.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
 from graphcp.forward_context import MoECommunicator
-from graphcp.models.config import ModelConfig
-from graphcp.models.moe import EPInfo
-from graphcp.models.parallel import TPInfo, pipeline_stage
+from graphcp.distributed.shards import EPInfo
+from graphcp.distributed.shards import TPInfo, pipeline_stage
+
+
+class ModelShape(Protocol):
+    """What the layout reads of a model (a ``models.config.ModelConfig``)."""
+    num_hidden_layers: int
+    num_experts: int
+    moe_layers: tuple[int, ...]
 
 
 @dataclass
@@ -35,7 +42,7 @@ class RankParallel:
     cp_ranks: list[int]                    # global ranks of this rank's CP group, by CP rank
 
     @classmethod
-    def build(cls, args: EngineArgs, rank: int, cfg: ModelConfig, device: torch.device) -> "RankParallel":
+    def build(cls, args: EngineArgs, rank: int, cfg: ModelShape, device: torch.device) -> "RankParallel":
         me = rank_info(args, rank)
         groups = build_groups(args, me) if args.world_size > 1 else Groups(None, None)
         atp = args.attn_tp_size
@@ -86,7 +93,7 @@ class RankShards:
     layers: range
 
 
-def rank_shards(args: EngineArgs, cfg: ModelConfig, rank: int, groups: Groups | None = None) -> RankShards:
+def rank_shards(args: EngineArgs, cfg: ModelShape, rank: int, groups: Groups | None = None) -> RankShards:
     """A rank's shards from the flags alone (``graphcp memory`` builds every rank's model from
     them without a process group; ``groups`` attaches the collectives at start)."""
     groups = groups or Groups(None, None)

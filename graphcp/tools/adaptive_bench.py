@@ -25,7 +25,7 @@ CASES = {"all_short": [40, 3, 24, 2, 33, 17, 3, 10], "mixed": [384, 3, 48, 20, 2
 
 def rank_work(strategy, extend_lens: list[int], cost) -> list[float]:  # noqa: ANN001
     """Modelled seconds of each CP rank's rows for a fresh batch (no cached prefix)."""
-    layout = strategy.plan(extend_lens, [0] * len(extend_lens), 0)
+    layout = strategy.layout(extend_lens, [0] * len(extend_lens), 0)
     if not layout.cp_applied:     # static zigzag on short requests: every rank runs all of it
         total = sum(cost.work(n, 0) for n in extend_lens)
         return [total] * strategy.cp_size
@@ -43,7 +43,7 @@ def rank_work(strategy, extend_lens: list[int], cost) -> list[float]:  # noqa: A
 def adaptive_bench(args: EngineArgs, reps: int = 3, seed: int = 0) -> dict:
     from graphcp import Engine
     from graphcp.cp.strategy import ZigzagStrategy
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)
     batches = {name: [[rng.randrange(vocab) for _ in range(n)] for n in lens] for name, lens in CASES.items()}

@@ -22,7 +22,7 @@ def engine_parser(prog: str, description: str, cp_default: int) -> argparse.Argu
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     if ns.model_path is None:
-        from graphcp.models.random_checkpoint import demo_checkpoint
+        from graphcp.checkpoint.random import demo_checkpoint
         ns.model_path = demo_checkpoint(getattr(ns, "demo_model", "qwen3"))
     if ns.attn_cp_size == 1:
         ns.enable_prefill_cp = False

@@ -126,7 +126,7 @@ def text_defaults(ns) -> None:  # noqa: ANN001
     if ns.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be >= 1")
     if ns.model_path is None:
-        from graphcp.models.real_model import smollm2_path
+        from graphcp.checkpoint.real_model import smollm2_path
 
         ns.model_path = smollm2_path()
     ns.cuda_graph_buckets = ns.cuda_graph_buckets or [32, 64, 128]

@@ -106,7 +106,7 @@ def _profile(args, ns: argparse.Namespace, rank: int) -> None:  # noqa: ANN001
     from torch.profiler import ProfilerActivity, profile
 
     from graphcp import Engine, Request
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     batches = _batches(vocab, ns)
     device = args.resolved_device()

@@ -20,6 +20,7 @@ import numpy as np
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import ModelConfig
+from graphcp.models.deepseek.config import MLAConfig
 from graphcp.pd.layout import layout_for
 from graphcp.pd.sglang.wire import Registration
 
@@ -116,10 +117,11 @@ def geometry_for(
     flag = "--disaggregation-bootstrap-port"
     layout = layout_for(cfg, 1, dtype)
     if layout.kind == "dsa":
-        if cfg.dsa.index_topk:
+        mla = cfg.family_config
+        if isinstance(mla, MLAConfig) and mla.index_topk:
             raise ConfigError(
                 f"{flag}: the model's DSA indexer keys (config index_topk="
-                f"{cfg.dsa.index_topk}, index_head_dim={cfg.dsa.index_head_dim}) would go "
+                f"{mla.index_topk}, index_head_dim={mla.index_head_dim}) would go "
                 f"to SGLang's fp8 indexer pages, which graphcp does not write; serve this "
                 f"model with graphcp's own KVReceiver (transfer_kv)"
             )

@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 from graphcp.batch import PrefillOutput, Request
 from graphcp.config import TORCH_DTYPES, EngineArgs, resolve_dtype
 from graphcp.errors import ConfigError, RequestError
-from graphcp.models import read_model_config
-from graphcp.models.parallel import pipeline_stage
+from graphcp.checkpoint.config import read_model_config
+from graphcp.distributed.shards import pipeline_stage
 from graphcp.pd.sglang.bootstrap import local_ip
 from graphcp.pd.sglang.control import PrefillControl
 from graphcp.pd.sglang.geometry import Target, geometry_for
