@@ -137,10 +137,11 @@ def _code(path: str) -> str:
 
 
 # Where a family may be named: its folder (models/<family>/), the one registration line, the attention
-# ops and kernels it brings, the tools that measure its work, and two files that describe releases:
+# ops and kernels it brings, the tools that measure its work, the PD formats its cache travels in,
+# and two files that describe releases:
 # GGUF's own architecture names and the demo's random checkpoints.
 FAMILY_PLACES = ("models/llama/", "models/deepseek/", "models/deepseek_v4/", "models/qwen3_next/",
-                 "models/registry.py", "attention/", "kernels/", "tools/", "pd/layout.py",
+                 "models/registry.py", "attention/", "kernels/", "tools/", "pd/",
                  "checkpoint/gguf.py", "checkpoint/random.py")
 
 
