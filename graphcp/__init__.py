@@ -3,7 +3,7 @@ from graphcp.batch import PrefillOutput, Request
 from graphcp.config import EngineArgs
 from graphcp.engine import Engine
 from graphcp.errors import ConfigError, EngineDeadError, RequestError, TransferError
-from graphcp.models.tokenizer import tokenizer
+from graphcp.checkpoint.tokenizer import tokenizer
 
 __all__ = ["EngineArgs", "Engine", "Request", "PrefillOutput", "ConfigError", "RequestError", "EngineDeadError",
            "TransferError", "tokenizer"]

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from graphcp.cp.metadata import CPMetadata
-from graphcp.dist.comm import CPComm, all_gather_into
+from graphcp.distributed.comm import CPComm, all_gather_into
 
 
 class AuxHidden:

@@ -12,9 +12,14 @@ from graphcp.errors import RequestError
 
 @dataclass
 class Request:
-    """``input_ids`` are the new tokens; a rid that still holds cached KV is extended by them."""
+    """``input_ids`` are the new tokens; a rid that still holds cached KV is extended by them.
+    ``bootstrap_room`` (SGLang PD, the request's last chunk): once prefilled, its KV goes to the
+    SGLang decode that sends metadata for that room, with the first token sampled per
+    ``sampling_params`` (SGLang's dict: temperature, top_p, top_k, min_p, sampling_seed)."""
     rid: str
     input_ids: Sequence[int]           # a list or tuple of ints, a 1-D integer tensor or numpy array
+    bootstrap_room: int | None = None
+    sampling_params: dict | None = None
 
 
 @dataclass

@@ -26,6 +26,8 @@ COMMANDS: dict[str, Callable[["ModelRunner", Any], Any]] = {
     "stats": lambda runner, _: runner.stats(),
     "counters": lambda runner, _: runner.collective_counts(),
     "transfer_kv": lambda runner, payload: runner.transfer_kv(*payload),    # PD prefill worker
+    "sglang_write": lambda runner, payload: runner.sglang_write(*payload),  # SGLang PD (pd/sglang)
+    "cached_lens": lambda runner, rids: runner.cached_lens(rids),
 }
 
 
@@ -52,6 +54,10 @@ def merge(cmd: str, replies: list[Any]) -> Any:
     if cmd == "transfer_kv":
         from graphcp.pd.sender import merge_reports
         return merge_reports(replies)
+    if cmd == "sglang_write":          # each target is written by one rank
+        return {i: error for reply in replies for i, error in reply.items()}
+    if cmd == "cached_lens":           # the DP group holding each request answers
+        return [next((n for n in lens if n is not None), None) for lens in zip(*replies)]
     if cmd == "stats":
         stats = dict(replies[0])
         stats["weight_bytes_per_rank"] = [r["weight_bytes"] for r in replies]

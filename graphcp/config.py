@@ -11,7 +11,6 @@ import torch
 
 from graphcp.errors import ConfigError
 from graphcp.kernels.registry import ATTENTION_CHOICES
-from graphcp.models.gguf import check_file, is_gguf
 
 STRATEGIES = ("zigzag", "interleave")
 BACKENDS = ("auto", "trtllm_mha", "flashattention", "torch")
@@ -57,6 +56,7 @@ class EngineArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_transfer_protocol: str = "auto"   # auto: rdma on CUDA where an RDMA device exists, else tcp
     disaggregation_transfer_timeout_s: float = 30.0
+    disaggregation_bootstrap_port: int | None = None  # SGLang PD: serve SGLang's bootstrap and protocol here
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
     speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
     enable_adaptive_cp: bool = False                 # short requests whole on one CP rank, long ones zigzag
@@ -75,7 +75,7 @@ class EngineArgs:
             raise ConfigError("--model-path is required: a directory with config.json and *.safetensors, "
                               "or a .gguf file")
         if is_gguf(self.model_path):
-            check_file(self.model_path)
+            check_gguf_file(self.model_path)
         elif not os.path.isdir(self.model_path):
             raise ConfigError(f"--model-path {self.model_path!r} is not a directory")
         else:
@@ -130,6 +130,11 @@ class EngineArgs:
                               "--disaggregation-transfer-backend mooncake")
         if self.disaggregation_transfer_timeout_s <= 0:
             raise ConfigError("--disaggregation-transfer-timeout must be > 0 seconds")
+        port = self.disaggregation_bootstrap_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigError(f"--disaggregation-bootstrap-port must be a TCP port (1-65535), got {port!r}")
+        if port is not None and self.disaggregation_mode != "prefill":
+            raise ConfigError("--disaggregation-bootstrap-port needs --disaggregation-mode prefill")
         if self.enable_dsa_cache_layer_split:
             if self.disaggregation_mode != "prefill":
                 raise ConfigError("--enable-dsa-cache-layer-split needs --disaggregation-mode prefill")
@@ -203,23 +208,32 @@ class EngineArgs:
         add, d = parser.add_argument, _DEFAULTS
         add("--model-path", required=require_model,
             help="HF checkpoint dir (config.json + safetensors) or a .gguf file")
-        add("--dtype", default=d["dtype"], choices=DTYPES)
-        add("--device", default=d["device"], choices=DEVICES)
-        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"])
-        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"])
-        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"])
-        add("--attn-cp-size", type=int, default=d["attn_cp_size"])
-        add("--enable-prefill-cp", action="store_true")
+        add("--dtype", default=d["dtype"], choices=DTYPES,
+            help="compute dtype: auto is bf16 on CUDA, fp32 on CPU (FP8 weights stay FP8)")
+        add("--device", default=d["device"], choices=DEVICES,
+            help="auto: CUDA where a GPU is visible, else CPU")
+        add("--tp", "--tp-size", dest="tp_size", type=int, default=d["tp_size"],
+            help="TP world size (ranks per pipeline stage) = dp x attn-cp-size x attention TP")
+        add("--dp", "--dp-size", dest="dp_size", type=int, default=d["dp_size"],
+            help="data-parallel attention groups (requests divided between them)")
+        add("--pp", "--pp-size", dest="pp_size", type=int, default=d["pp_size"],
+            help="pipeline stages (layers split between them; eager)")
+        add("--attn-cp-size", type=int, default=d["attn_cp_size"],
+            help="ranks of an attention context-parallel group (needs --enable-prefill-cp)")
+        add("--enable-prefill-cp", action="store_true",
+            help="split each prompt's tokens over the attention CP group")
         add("--cp-strategy", default=d["cp_strategy"], help="zigzag | interleave")
         add("--attention-backend", default=d["attention_backend"],
             help="auto | trtllm_mha | flashattention | torch")
         add("--attention-kernel", default=d["attention_kernel"],
             help="auto (flashinfer where installed and it fits, else Triton on CUDA, torch on CPU) | flashinfer | "
                  "triton | torch")
-        add("--disable-cuda-graph", action="store_true")
+        add("--disable-cuda-graph", action="store_true",
+            help="run every batch eagerly (no captured graphs)")
         add("--cuda-graph-buckets", type=int, nargs="+", default=d["cuda_graph_buckets"],
             help="CP-local padded token counts to capture, e.g. 32 64 128")
-        add("--page-size", type=int, default=d["page_size"])
+        add("--page-size", type=int, default=d["page_size"],
+            help="tokens per KV page (a power of two)")
         add("--max-total-tokens", type=int, default=d["max_total_tokens"],
             help="KV pool capacity in tokens per rank (default: from --mem-fraction-static)")
         add("--mem-fraction-static", type=float, default=d["mem_fraction_static"],
@@ -227,7 +241,8 @@ class EngineArgs:
                  "SGLang's rule on GPUs; a fifth of free memory on CPU)")
         add("--gpu-memory-gib", type=float, default=d["gpu_memory_gib"],
             help="size the KV pool as if each rank's device had this much memory (GiB)")
-        add("--capture-plan", default=d["capture_plan"])
+        add("--capture-plan", default=d["capture_plan"],
+            help="a capture plan JSON written by capture/warmup.py (its buckets are captured)")
         add("--max-batch-requests", type=int, default=d["max_batch_requests"],
             help="static request capacity of the graphs")
         add("--max-state-requests", type=int, default=d["max_state_requests"],
@@ -251,6 +266,8 @@ class EngineArgs:
         add("--disaggregation-transfer-timeout", dest="disaggregation_transfer_timeout_s", type=float,
             default=d["disaggregation_transfer_timeout_s"],
             help="seconds a KV transfer may make no progress before it fails with TransferError")
+        add("--disaggregation-bootstrap-port", type=int, default=d["disaggregation_bootstrap_port"],
+            help="speak SGLang's PD protocol (SGLang 0.5.23): its bootstrap server listens on this port")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
         add("--enable-adaptive-cp", action="store_true",
@@ -301,6 +318,19 @@ class _RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(f"bad flags: {message}")
+
+
+def is_gguf(model_path: str) -> bool:
+    return model_path.endswith(".gguf")
+
+
+def check_gguf_file(model_path: str) -> None:
+    """The cheap check EngineArgs makes: an existing file that starts with the GGUF magic."""
+    if not os.path.isfile(model_path):
+        raise ConfigError(f"--model-path {model_path!r}: no such GGUF file")
+    with open(model_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"--model-path {model_path!r} is not a GGUF file (no GGUF magic bytes)")
 
 
 def _check_hf_dir(path: str) -> None:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
-from graphcp.dist.procs import child_env, free_port, rss_bytes
+from graphcp.distributed.procs import child_env, free_port
+from graphcp.profiling import rss_bytes
 from graphcp.errors import DEAD, WIRE_KINDS, ConfigError, EngineDeadError, RequestError, TransferError
 
 log = logging.getLogger("graphcp")
@@ -61,11 +62,15 @@ class Engine:
         self._dead: str | None = None
         self._spmd = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         self._owns_group = False            # torchrun: this engine started the process group, so it ends it
+        self._sglang = None                 # SGLang PD control plane (--disaggregation-bootstrap-port)
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.world_size > 1:                 # model-dependent flags, before any rank process starts
-            from graphcp.models.flags import check_model_flags
+            from graphcp.checkpoint.config import check_model_flags
             check_model_flags(args)
+        if args.disaggregation_bootstrap_port is not None:    # a model SGLang cannot take: before any rank
+            from graphcp.pd.sglang.serving import check_model
+            check_model(args)
         if args.attention_kernel == "triton" and args.resolved_device() == "cpu":
             from graphcp.kernels.registry import use_triton_interpreter
             use_triton_interpreter()            # before triton is imported here or in a rank process
@@ -78,10 +83,17 @@ class Engine:
         else:
             self._spawn()
         if args.world_size > 1 and (not self._spmd or int(os.environ["RANK"]) == 0):
-            from graphcp.dist.topology import rank_map
+            from graphcp.distributed.topology import rank_map
             log.info(rank_map(args))
         if self._start_stats.get("eager_reason"):
             log.info("graphcp: prefill runs eagerly: %s", self._start_stats["eager_reason"])
+        if args.disaggregation_bootstrap_port is not None:
+            from graphcp.pd.sglang.serving import start_control
+            try:
+                self._sglang = start_control(args, self._spmd, self._lock, self._call_locked, self.release)
+            except BaseException:
+                self.close()
+                raise
 
     # -- start-up --------------------------------------------------------------------------------
     def _join_torchrun(self) -> None:
@@ -201,13 +213,28 @@ class Engine:
         """Prefill a batch. ``force_eager`` skips the graphs for this batch (benchmarks compare both);
         ``count_host_ops`` fills ``PrefillOutput.host_ops`` with the ops launched outside captured segments."""
         batch = list(batch) if isinstance(batch, (list, tuple)) else batch
+        if isinstance(batch, list) and any(getattr(r, "bootstrap_room", None) is not None for r in batch):
+            from graphcp.pd.sglang.serving import prefill_rooms
+            return prefill_rooms(self._sglang, self._lock, self._call_locked, batch, count_host_ops, force_eager)
         return self._call("prefill", (batch, count_host_ops, force_eager))
 
     def kv_cache(self, rid: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._call("kv_cache", rid)
 
     def release(self, rid: str) -> None:
-        self._call("release", rid)
+        with self._lock:
+            if self._sglang is not None:      # an SGLang transfer still to come fails, the decode is told
+                self._sglang.released(rid)
+            self._call_locked("release", rid, None)
+
+    def transfer_status(self, rid: str) -> dict:
+        """SGLang PD: the state of ``rid``'s transfer ("waiting" for the decode's metadata,
+        "transferring", "success", "failed" with a "reason"), its bootstrap_room, and the first token
+        with its logprob and the top-128 (logprob, token id) pairs. The pages are released when it
+        concludes."""
+        if self._sglang is None:
+            raise ConfigError("transfer_status needs an engine started with --disaggregation-bootstrap-port")
+        return self._sglang.status(rid)
 
     def transfer_kv(self, rid: str, destination: dict) -> dict:
         """Send ``rid``'s whole cache to a decode worker's ``KVReceiver.destination(rid)`` over Mooncake;
@@ -234,6 +261,9 @@ class Engine:
     def close(self, graceful: bool = True) -> None:
         """Stop every rank; none is left behind. Not graceful after a fault: a stuck rank is not waited on.
         Waits for a call in flight on another thread (bounded by --rank-timeout)."""
+        control, self._sglang = getattr(self, "_sglang", None), None
+        if control is not None:             # before the lock: its worker may be waiting for it
+            control.close()
         with self._lock:
             self._close(graceful)
 

@@ -3,19 +3,16 @@
 ``BatchInputs`` is a batch as the host holds it; ``Descriptors`` are its raw descriptors packed in one
 int64 tensor (one host-to-device copy per forward), filled from it (the graph runner's static ones for a
 replay, fresh ones for an eager forward). ``ForwardBatch`` is what the forward reads: the descriptors,
-the layout the planner decided (``cp.strategy.LayoutPlan``: strategy, local capacity, host maxima), and
+the layout the planner decided (``cp.strategy.BatchLayout``: strategy, local capacity, host maxima), and
 where speculative aux rows go.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from graphcp.cp.strategy import LayoutPlan
 
 
 @dataclass
@@ -100,5 +97,5 @@ class Descriptors:
 @dataclass
 class ForwardBatch:
     inputs: "Descriptors"                 # device descriptors: lengths, page rows, token ids
-    plan: "LayoutPlan"                    # the layout this batch runs with, decided once by the planner
+    layout: Any         # the batch's cp.strategy.BatchLayout, decided once by the planner
     aux_out: torch.Tensor | None = None  # speculative aux hidden states land here (static when graphed)

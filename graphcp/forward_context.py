@@ -37,7 +37,7 @@ class _SameLayout:
 
 
 class MoECommunicator(Protocol):
-    """Brings this rank's rows to their experts and the experts' outputs back (graphcp/dist/moe_comm.py)."""
+    """Brings this rank's rows to their experts and the experts' outputs back (graphcp/distributed/moe_comm.py)."""
 
     def run(self, x: torch.Tensor, router: Callable, experts: Callable,
             row_ids: torch.Tensor | None = None) -> torch.Tensor:

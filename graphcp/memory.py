@@ -11,15 +11,16 @@ import torch
 
 from graphcp.attention.kinds import cache_parts, layer_kinds, state_parts
 from graphcp.config import EngineArgs, resolve_dtype
-from graphcp.dist.parallel import rank_shards
+from graphcp.distributed.parallel import rank_shards
 from graphcp.errors import ConfigError
 from graphcp.graph.runner import DEFAULT_BUCKETS
 from graphcp.kv.cache import bytes_per_token
 from graphcp.kv.sizing import GIB, PoolBudget, context_limit, default_mem_fraction, pool_tokens
 from graphcp.kv.states import state_bytes
 from graphcp.models.config import ModelConfig
-from graphcp.models.flags import check_model_flags
-from graphcp.models.meta import checkpoint_tensors, rank_model, weight_bytes_by_dtype
+from graphcp.models.registry import family_of
+from graphcp.checkpoint.config import check_model_flags
+from graphcp.checkpoint.meta import checkpoint_tensors, rank_model, weight_bytes_by_dtype
 from graphcp.planner import config_ineligibility
 
 MIN_REQUEST = 4096      # a pool below one request of this many tokens (or the context) does not fit
@@ -59,10 +60,10 @@ def graph_reserve(args: EngineArgs, cfg: ModelConfig, device: str) -> tuple[int,
     captures, and whether the model's attention is MLA (a larger fixed reserve)."""
     kinds = layer_kinds(cfg, range(cfg.num_hidden_layers))
     reason = next((k.graph_reason for k in kinds.values() if k.graph_reason), None)
-    mla = cfg.dsa is not None
+    latent = family_of(cfg).latent_attention
     if config_ineligibility(args, args.resolved_backend(), reason) is not None:
-        return 0, mla
-    return len(args.cuda_graph_buckets or DEFAULT_BUCKETS[device]), mla
+        return 0, latent
+    return len(args.cuda_graph_buckets or DEFAULT_BUCKETS[device]), latent
 
 
 def device_capacity(device: str, device_gib: float | None) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from graphcp.batch import Request, validate_requests
 from graphcp.config import EngineArgs
-from graphcp.cp.strategy import LayoutPlan
+from graphcp.cp.strategy import BatchLayout
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 from graphcp.errors import RequestError
 from graphcp.forward_batch import BatchInputs
@@ -30,9 +30,9 @@ def config_ineligibility(args: EngineArgs, backend: str, model_reason: str | Non
     if model_reason is not None:
         return model_reason
     if args.pp_size > 1:
-        return "pp_size > 1"
+        return "pipeline parallelism (--pp > 1) runs eagerly, as in SGLang"
     if args.dp_size > 1:
-        return "dp_size > 1"
+        return "data-parallel attention (--dp > 1) runs eagerly, as in SGLang"
     if args.cp_size > 1:
         reason = make_strategy(args.cp_strategy, args.cp_size).graph_reason
         if reason is not None:
@@ -49,7 +49,7 @@ class BatchPlan:
     ids: list[torch.Tensor]
     extend_lens: list[int]
     prefix_lens: list[int]
-    layout: LayoutPlan           # decided once: strategy, per-rank tokens, local capacity, host maxima
+    layout: BatchLayout           # decided once: strategy, per-rank tokens, local capacity, host maxima
     bucket: int | None
     eager_reason: str | None
     indices: list[int]           # positions of these requests in the caller's batch (DP splits batches)
@@ -134,10 +134,10 @@ class Planner:
             ext = [all_ext[i] for i in indices]
             flat = None               # this group's ids are a subset: the descriptors concatenate them
             prefix = [self.pages.prefix_len(r) for r in rids]
-        layout = self.strategy.plan(ext, prefix, self.cp_rank)
+        layout = self.strategy.layout(ext, prefix, self.cp_rank)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
         if not single:
-            caps = [self.strategy.plan([n for n, d in zip(all_ext, groups) if d == g],
+            caps = [self.strategy.layout([n for n, d in zip(all_ext, groups) if d == g],
                                        [self.dp_pages[g].prefix_len(r) for r, d in zip(all_rids, groups) if d == g],
                                        self.cp_rank).local_cap if g != self.dp_rank else layout.local_cap
                     for g in range(len(self.dp_pages))]

@@ -9,12 +9,12 @@ check.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphcp.dist.procs import rss_bytes
 
 try:
     import nvtx as _nvtx
@@ -141,3 +141,26 @@ def paused(counter: OpCounter | None) -> Iterator[None]:
         yield
     finally:
         counter.count = before
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: a rank started by fork + exec
+    inherits the parent's resident size at the fork as its ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process (this one by default) from /proc; 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

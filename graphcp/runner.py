@@ -1,6 +1,6 @@
 """ModelRunner: one rank's model, attention, KV pool, planner and graphs, wired; it runs a batch.
 
-Data flows one way: planner (validation, DP groups, pages, the layout plan, graph-or-eager) -> descriptors
+Data flows one way: planner (validation, DP groups, pages, the batch layout, graph-or-eager) -> descriptors
 (raw batch data) -> CP metadata (tensor ops, graph-capturable) -> model -> attention ops (collectives,
 cache writes, kernel) -> last-token logits. Each part is built by its own package (``attention.build``,
 ``kv.make_pool``, ``Planner``, ``GraphRunner``, the PD sender); the runner only wires them.
@@ -19,11 +19,10 @@ from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.config import EngineArgs, resolve_dtype
 from graphcp.cp.metadata import last_tokens
-from graphcp.cp.strategy import LayoutPlan
+from graphcp.cp.strategy import BatchLayout
 from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
-from graphcp.dist.comm import recv, send
-from graphcp.dist.procs import peak_rss_bytes
-from graphcp.dist.parallel import RankParallel
+from graphcp.distributed.comm import recv, send
+from graphcp.distributed.parallel import RankParallel
 from graphcp.errors import ConfigError
 from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
 from graphcp.forward_context import forward_context
@@ -34,11 +33,12 @@ from graphcp.kernels.registry import chosen
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
 from graphcp.memory import graph_reserve
-from graphcp.models import fp8, load_model
-from graphcp.models.flags import check_model_flags
-from graphcp.models.moe import probe_experts
+from graphcp.models.common.quantized import probe_gemm
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import check_model_flags
+from graphcp.models.common.moe import probe_experts
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
-from graphcp.profiling import count_host_ops, nvtx_range
+from graphcp.profiling import count_host_ops, nvtx_range, peak_rss_bytes
 
 
 class ModelRunner:
@@ -58,7 +58,7 @@ class ModelRunner:
                                 par.ep)
         if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
             probe_layer_ops(self.device, self.dtype)
-            fp8.probe_gemm(self.model, self.dtype)
+            probe_gemm(self.model, self.dtype)
             probe_experts(self.model, self.dtype)
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          self.strategy.bottom_right_causal)
@@ -110,7 +110,7 @@ class ModelRunner:
         self.graphs = GraphRunner(self.forward, inputs, self.device, self.par.all_ranks_agree, collective_breaks)
         self.graphs.capture_all(buckets, self._capture_batch, progress=progress)
 
-    def _capture_batch(self, bucket: int, seed: int) -> tuple[BatchInputs, LayoutPlan]:
+    def _capture_batch(self, bucket: int, seed: int) -> tuple[BatchInputs, BatchLayout]:
         """A random batch that fills ``bucket``; its pages are all the dummy page, so no real KV is touched."""
         req_cap, vocab = self.args.max_batch_requests, self.model_config.vocab_size
         dummy = self.strategy.dummy_batch(bucket, req_cap, self.max_context, seed)
@@ -119,20 +119,20 @@ class ModelRunner:
                                     f"context limit {self.max_context} fills it")
         ext, prefix = dummy
         ids = [torch.randint(0, vocab, (e,), generator=torch.Generator().manual_seed(seed)) for e in ext]
-        plan = replace(self.strategy.plan(ext, prefix, self.par.me.cp_rank), local_cap=bucket)
-        return BatchInputs(ext, prefix, [[] for _ in ext], ids, plan.whole_on), plan
+        layout = replace(self.strategy.layout(ext, prefix, self.par.me.cp_rank), local_cap=bucket)
+        return BatchInputs(ext, prefix, [[] for _ in ext], ids, layout.whole_on), layout
 
     # -- the forward (eager, and the body every graph captures) ----------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits [req_cap, vocab] at each request's last new token (valid on rank 0, and on every rank
         for interleave). Tensor ops only, so the same body runs eagerly and inside a captured graph."""
-        desc, plan, par, aux = batch.inputs, batch.plan, self.par, self.aux
-        strategy = plan.strategy
+        desc, layout, par, aux = batch.inputs, batch.layout, self.par, self.aux
+        strategy = layout.strategy
         with nvtx_range("cp_metadata"):
             # Eager with host descriptors: numpy builds it (a capture records the tensor form).
             on_host = desc.extend_lens.device.type == "cpu" and not capture_active()
             meta = strategy.metadata(desc.extend_lens, desc.prefix_lens, desc.page_table,
-                                     par.me.cp_rank % strategy.cp_size, plan.local_cap, self.args.page_size,
+                                     par.me.cp_rank % strategy.cp_size, layout.local_cap, self.args.page_size,
                                      desc.whole_on, on_host=on_host)
             meta = replace(meta, state_in=desc.state_in, state_out=desc.state_out)
             local_ids = desc.input_ids.index_select(0, meta.token_index)
@@ -142,14 +142,14 @@ class ModelRunner:
         # The last layer attends and runs its FFN for the logit rows only (its K/V are all cached).
         rows = meta.logit_rows if self.prune_last_layer else None
         last = last_tokens(*lens, meta) if rows is not None else None
-        ops = self.attention.ops(self.pool, meta, par.comm, plan.host, last)
+        ops = self.attention.ops(self.pool, meta, par.comm, layout.host, last)
         with forward_context(ops, par.communicator, par.moe_comm, meta.valid):
             if par.first_stage:
                 hidden, columns = self.model(local_ids, meta.positions, capture_layers=aux.here,
                                              output_rows=rows)
                 received = {}
             else:   # pipeline: CP-local hidden states (and aux columns) from the previous stage
-                message = torch.empty(plan.local_cap, aux.recv_width, dtype=self.dtype, device=self.device)
+                message = torch.empty(layout.local_cap, aux.recv_width, dtype=self.dtype, device=self.device)
                 recv(message, src=self.rank - self.args.tp_size)
                 hidden, received = aux.unpack(message)
                 hidden, columns = self.model(None, meta.positions, hidden=hidden,
@@ -179,12 +179,12 @@ class ModelRunner:
         strategy = {"unsharded": make_strategy("zigzag", 1),
                     "whole": AdaptiveZigzagStrategy(cp, max(extend_lens) + 1),
                     "split": AdaptiveZigzagStrategy(cp, 2 * cp)}[placement]
-        plan = strategy.plan(extend_lens, prefix, self.par.me.cp_rank)
-        batch = BatchInputs(extend_lens, prefix, pages, ids, plan.whole_on)
+        layout = strategy.layout(extend_lens, prefix, self.par.me.cp_rank)
+        batch = BatchInputs(extend_lens, prefix, pages, ids, layout.whole_on)
         desc, aux = Descriptors.for_batch(batch), self._aux_buffer(sum(extend_lens))
         _sync(self.device)
         start = time.perf_counter()
-        self.forward(ForwardBatch(desc, plan, aux))
+        self.forward(ForwardBatch(desc, layout, aux))
         _sync(self.device)
         return time.perf_counter() - start
 
@@ -195,7 +195,7 @@ class ModelRunner:
         import time
 
         from graphcp.calibrate import gather_widths
-        from graphcp.dist.comm import all_gather_into
+        from graphcp.distributed.comm import all_gather_into
         comm, seconds = self.par.comm, 0.0
         for width, layers in gather_widths(self.attention.cache_parts(), self.dtype).items():
             rows = torch.zeros(tokens, width, dtype=self.dtype, device=self.device)
@@ -285,6 +285,14 @@ class ModelRunner:
     def transfer_kv(self, rid: str, destination: dict) -> dict | None:
         from graphcp.pd.sender import transfer_kv
         return transfer_kv(self.planner, self.sender, rid, destination)
+
+    def sglang_write(self, rid: str, targets: list) -> dict:
+        from graphcp.pd.sglang.rank import sglang_write
+        return sglang_write(self, rid, targets)
+
+    def cached_lens(self, rids: list[str]) -> list[int | None]:
+        from graphcp.pd.sglang.rank import cached_lens
+        return cached_lens(self, rids)
 
     def release(self, rid: str) -> None:
         self.planner.release(rid)

@@ -35,6 +35,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)                # graphcp from this checkout, installed or not
 
+
+def _require(modules: tuple[str, ...]) -> None:
+    """Say what this python lacks, in one line, instead of a raw ModuleNotFoundError later."""
+    import importlib.util
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"gpu_check: {sys.executable} lacks {', '.join(missing)}: run it with the GPU "
+                 f"machine's own python (it has a CUDA torch and triton), or install them: "
+                 f"pip install {' '.join(missing)} (a CUDA build of torch on a GPU machine)")
+
+
+_require(("torch", "numpy", "safetensors", "tqdm"))
 from gpu_parts import PART_KEYS  # noqa: E402
 from gpu_parts.report import INCOMPLETE, PEAK_BF16_TFLOPS, Report  # noqa: E402
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from graphcp import ConfigError
-from graphcp.models.config import _from_raw
+from graphcp.models.registry import config_from_dict
 
 DROP = "<drop>"            # in a context patch: leave the field out of config.json
 # Inert in every family: what HF returns, training, generation and bookkeeping.
@@ -54,7 +54,7 @@ def hf_config(name: str, **kwargs):  # noqa: ANN201 - a transformers config
 
 
 def read(raw: dict):  # noqa: ANN201 - a ModelConfig
-    return _from_raw(copy.deepcopy(raw), "config.json")
+    return config_from_dict(copy.deepcopy(raw), "config.json")
 
 
 def patched(raw: dict, patch: dict) -> dict:

@@ -12,7 +12,7 @@ from parity import TOL, random_ids
 from safetensors.torch import save_file
 
 from graphcp import Request
-from graphcp.models import read_model_config
+from graphcp.checkpoint.config import read_model_config
 
 VOCAB = 211
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -173,7 +173,7 @@ def check_request(engine, oracle: V4Oracle, path: str, logits: torch.Tensor, rid
                   history: list[int]) -> float:
     """One request's logits and every layer's cache against HF on its whole history -> the worst
     relative error."""
-    v4 = read_model_config(path).v4
+    v4 = read_model_config(path).family_config
     ref_logits, ref_layers = oracle(path, history)
     errs = [rel_err(logits, ref_logits)]
     cache = engine.kv_cache(rid)

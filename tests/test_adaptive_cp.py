@@ -18,7 +18,7 @@ from graphcp import ConfigError, EngineArgs, Request
 from graphcp.attention.kinds import cache_parts
 from graphcp.calibrate import calibrate, gather_widths, lone_gain
 from graphcp.cp.adaptive import AdaptiveZigzagStrategy, CostModel
-from graphcp.models import read_model_config
+from graphcp.checkpoint.config import read_model_config
 from mla_checkpoint import DEEPSEEK_V3
 from parity import Session, graph_and_eager, random_ids
 
@@ -30,7 +30,7 @@ def test_placement_covers_every_token_once():
     ext, prefix = [5, 100, 30, 1, 47, 60, 9], [0, 3, 10, 0, 2, 0, 40]
     placed = strategy.for_batch(ext, prefix)
     assert [w == 0 for w in placed.whole_on] == [n >= THRESHOLD for n in ext]
-    counts, cap = placed.per_rank_tokens(ext), strategy.plan(ext, prefix, 0).local_cap
+    counts, cap = placed.per_rank_tokens(ext), strategy.layout(ext, prefix, 0).local_cap
     assert sum(counts) == sum(ext)
     lens, pre = torch.tensor(ext), torch.tensor(prefix)
     pages = torch.arange(len(ext) * 160).view(len(ext), 160)

@@ -1,7 +1,8 @@
-"""The shape of the package, checked: no import cycles (function-level and type-only imports included),
-graphs know nothing of layouts, models know nothing of graphs, kernels live in one folder, the runner and
-the engine core know no model family and no PD branch, no module reads another object's private
-attributes, and no module grows past 400 lines."""
+"""The shape of the package, checked: no import cycles between modules (function-level and type-only
+imports included) nor between packages, graphs know nothing of layouts, models know nothing of graphs,
+a model family is named only in its folder, the registry, its attention ops and kernels (and the tools
+that measure its work), kernels live in one folder, the runner and the engine core know no PD branch,
+no module reads another object's private attributes, and no module grows past 400 lines."""
 from __future__ import annotations
 
 import ast
@@ -61,6 +62,37 @@ def test_no_import_cycles():
             visit(name, [name])
 
 
+def _package(name: str) -> str:
+    """graphcp's first-level package of a module (a top-level module is its own)."""
+    return ".".join(name.split(".")[:2])
+
+
+def test_no_package_cycles():
+    """Packages form layers: no two reach each other, even through others (the distributed / models
+    and distributed / profiling loops included)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for dep in _imports(path, name, modules):
+            if _package(dep) != _package(name):
+                edges.setdefault(_package(name), set()).add(_package(dep))
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(edges.get(node, ()))
+        return False
+
+    for a, deps in edges.items():
+        for b in deps:
+            assert not reaches(b, a), f"package cycle: {a} -> {b} -> ... -> {a}"
+
+
 def test_layers_know_only_their_own_concerns():
     modules = _modules()
     for name, path in modules.items():
@@ -102,6 +134,43 @@ def _code(path: str) -> str:
                 and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
             node.body = node.body[1:] or [ast.Pass()]
     return ast.unparse(tree)
+
+
+# Where a family may be named: its folder (models/<family>/), the one registration line, the attention
+# ops and kernels it brings, the tools that measure its work, the PD formats its cache travels in,
+# and two files that describe releases:
+# GGUF's own architecture names and the demo's random checkpoints.
+FAMILY_PLACES = ("models/llama/", "models/deepseek/", "models/deepseek_v4/", "models/qwen3_next/",
+                 "models/registry.py", "attention/", "kernels/", "tools/", "pd/",
+                 "checkpoint/gguf.py", "checkpoint/random.py")
+
+
+def test_a_family_is_named_only_in_its_places():
+    for rel, path in _sources("graphcp").items():
+        inner = rel[len("graphcp/"):]
+        if not inner.startswith(FAMILY_PLACES):
+            code = re.sub(r"--[a-z0-9-]+", "", _code(path))     # SGLang's flag names are theirs
+            found = FAMILY_WORDS.findall(code)
+            assert not found, (f"{rel} names a model family ({found[:3]}): that belongs in the "
+                               "family's folder, its attention op or its kernels")
+        if inner.startswith("models/") and inner.count("/") == 2:       # inside a family's folder
+            family = inner.split("/")[1]
+            others = [f.split("/")[1] for f in FAMILY_PLACES[:4] if f.split("/")[1] != family]
+            deps = _imports(path, "graphcp." + inner[:-3].replace("/", "."), _modules())
+            assert not any(d.startswith("graphcp.models.") and d.split(".")[2] in others
+                           for d in deps), \
+                f"{rel} imports another family: shared layers belong in models/common/"
+
+
+def test_shared_layers_import_no_family():
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith(("graphcp.models.common", "graphcp.models.config", "graphcp.models.family",
+                            "graphcp.checkpoint")):
+            deps = _imports(path, name, modules)
+            families = [d for d in deps if d.startswith("graphcp.models.")
+                        and d.split(".")[2] in ("llama", "deepseek", "deepseek_v4", "qwen3_next")]
+            assert not families, f"{name} imports a family ({families[:2]}): go through the registry"
 
 
 def test_the_engine_core_knows_no_model_family():

@@ -58,3 +58,32 @@ def test_bench_scale_table_and_plot(tmp_path, monkeypatch, capsys):
 def test_bench_scale_refuses_lengths_past_the_model(checkpoint, capsys):
     assert main(["bench", "--scale", "--model-path", checkpoint, "--lengths", "1000000", "--no-hf"]) == 2
     assert "--lengths" in capsys.readouterr().err
+
+
+def test_generate_without_a_tokenizer_says_so_in_one_line(checkpoint, capsys):
+    """An HF checkpoint without tokenizer files: one line naming the cause, exit 2, no traceback
+    (transformers would build an empty tokenizer from config.json; nothing is prefilled)."""
+    assert main(["generate", "--model-path", checkpoint, "--prompt", "hi", "--tp", "1",
+                 "--attn-cp-size", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer" in err[0] and "Traceback" not in err[0]
+
+
+def test_help_lists_every_command_with_a_line(capsys):
+    from graphcp.tools.cli import COMMANDS
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"  {name} " in printed for name in COMMANDS)
+    import argparse
+
+    from graphcp.config import EngineArgs
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
+def test_bench_writes_no_png_unasked(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model-path", checkpoint, "--tp", "1", "--attn-cp-size", "1", "--cases",
+                 "1x24", "--reps", "1", "--no-hf", "--max-total-tokens", "1024"]) == 0
+    assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from graphcp import ConfigError, Engine, EngineArgs
-from graphcp.dist.topology import rank_info, rank_map
+from graphcp.distributed.topology import rank_info, rank_map
 from parity import Session, random_ids
 
 VOCAB = 211

@@ -127,7 +127,7 @@ def test_mla_norm_epsilons_are_hfs():
     rms_norm_eps, in the DSA models and DeepSeek-V3; graphcp's too."""
     import importlib
     import torch
-    from graphcp.models.mla import MLAttention
+    from graphcp.models.deepseek.attention import MLAttention
     for name, module in (("DeepseekV32Config", "deepseek_v32"), ("GlmMoeDsaConfig", "glm_moe_dsa"),
                          ("DeepseekV3Config", "deepseek_v3")):
         config = hf_config(name, **dict(TINY[name], rms_norm_eps=1e-2))

@@ -17,8 +17,8 @@ import torch
 from config_fields import DROP, INERT, FieldTable, read
 
 from graphcp import ConfigError
-from graphcp.models.deepseek_v4_rope import V4Rotary
-from graphcp.models.rope import inv_freq
+from graphcp.models.deepseek_v4.rope import V4Rotary
+from graphcp.models.common.rope import inv_freq
 
 V4 = "DeepseekV4Config"
 HYBRID = ("Qwen3NextConfig", "Qwen3_5TextConfig", "Qwen3_5MoeTextConfig")
@@ -159,7 +159,7 @@ def _views(name: str, raw: dict) -> tuple[dict, dict]:
                   heads=hf.num_attention_heads, head_dim=hf.head_dim, eps=hf.rms_norm_eps,
                   tie=hf.tie_word_embeddings)
     if name == V4:
-        v4, labels = cfg.v4, ("main", "compress")
+        v4, labels = cfg.family_config, ("main", "compress")
         ours |= dict(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                      inter=(cfg.intermediate_size, cfg.moe_intermediate_size),
                      **{k: getattr(v4, k) for k in _V4_SAME}, layer_types=v4.layer_types,
@@ -173,7 +173,7 @@ def _views(name: str, raw: dict) -> tuple[dict, dict]:
                        hash=tuple(t == "hash_moe" for t in hf.mlp_layer_types),
                        rotary=[_hf_rotary(rotary, label) for label in labels])
         return ours, theirs
-    h = cfg.hybrid
+    h = cfg.family_config
     ours |= dict(kv_heads=cfg.num_key_value_heads, bias=(cfg.qkv_bias, cfg.o_bias),
                  layer_types=h.layer_types, moe_layers=cfg.moe_layers,
                  linear=(h.num_k_heads, h.num_v_heads, h.head_k_dim, h.head_v_dim, h.conv_kernel),

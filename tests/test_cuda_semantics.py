@@ -11,7 +11,7 @@ import torch
 
 from graphcp.attention.op import _attend_break
 from graphcp.kernels.registry import KERNELS, KernelArgs
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.graph import cuda as cuda_backend
 from graphcp.graph.cpu import CpuCapture
 from graphcp.graph.protocol import capture_active, graph_break
@@ -171,7 +171,7 @@ def test_kv_budget_is_shared_by_ranks_on_one_gpu(monkeypatch):
     """Ranks sharing a GPU each size from their share of it; the pool is SGLang's rule:
     available - capacity x (1 - mem fraction static), the default fraction SGLang's for the
     device's size; --gpu-memory-gib assumes another device size with today's usage."""
-    from graphcp.dist.parallel import ranks_per_device
+    from graphcp.distributed.parallel import ranks_per_device
     from graphcp.kv.sizing import default_mem_fraction, measured_budget, pool_tokens
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))

@@ -19,8 +19,8 @@ from hf_reference import rel_err
 from parity import TOL
 
 from graphcp import ConfigError, Engine, EngineArgs, Request, RequestError
-from graphcp.models import read_model_config
-from graphcp.models.deepseek_v4_names import v4_model_name
+from graphcp.checkpoint.config import read_model_config
+from graphcp.models.deepseek_v4.names import v4_model_name
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_fp8_checkpoint_matches_its_dequantized_twin(engines, v4_legacy, v4_orac
     """Every projection block-quantized (the compressors' and indexer-weight projections stay
     unquantized, as transformers keeps them) and read through graphcp's FP8 path, against HF on
     the exactly dequantized checkpoint."""
-    kinds = read_model_config(v4_legacy).v4.layer_types
+    kinds = read_model_config(v4_legacy).family_config.layer_types
     keep = ["lm_head"] + [f"model.layers.{i}.self_attn.compressor.{part}"
                           for i, kind in enumerate(kinds) if kind != "sliding_attention"
                           for part in ("kv_proj", "gate_proj", "indexer.kv_proj",
@@ -214,7 +214,7 @@ def test_bench_counts_each_ranks_v4_work(v4):
     positions 0, 2, .., 8 (1, 3, 5, 7, 9 keys seen), rank 1 positions 1, .., 7 (2, 4, 6, 8). CSA
     entries closed: 0+0+1+1+2 = 4 and 0+1+1+2 = 4; HCA none; every layer attends the window."""
     from graphcp.tools.dsa_balance import v4_balance
-    got = v4_balance(2, [9], read_model_config(v4).v4)
+    got = v4_balance(2, [9], read_model_config(v4).family_config)
     assert got["indexer_keys_per_rank"] == [4, 4]
     assert got["attended_keys_per_rank"] == [3 * 25 + 4, 3 * 20 + 4]
     assert got["attention_max_over_mean"] == pytest.approx(79 * 2 / 143)

@@ -13,7 +13,7 @@ import pytest
 from deepseek_v4_reference import BATCHES, V4Oracle, release_all, run_batches, v4_checkpoint
 
 from graphcp import Engine, EngineArgs
-from graphcp.models import read_model_config
+from graphcp.checkpoint.config import read_model_config
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")     # as graphcp sets it before importing mooncake
 CP_BATCHES = BATCHES[:2]        # several requests, a cached prefix, a 200-token one

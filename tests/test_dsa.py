@@ -12,7 +12,7 @@ from mla_checkpoint import widen_init
 from parity import TOL, random_ids
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
-from graphcp.models.dsa_config import check_dsa_flags
+from graphcp.models.deepseek.config import check_dsa_flags
 
 VOCAB = 211
 TOPK = 8
@@ -214,7 +214,7 @@ def test_mtp_layer_is_skipped(v32, tmp_path):
 
     from safetensors.torch import save_file
 
-    from graphcp.models import load_model
+    from graphcp.checkpoint.loader import load_model
     path = tmp_path / "with-mtp"
     shutil.copytree(v32, path)
     save_file({"model.layers.3.eh_proj.weight": torch.zeros(4, 4)}, str(path / "mtp.safetensors"))
@@ -248,7 +248,7 @@ def test_yarn_rope_matches_hf(engines, dsa_oracle, ckpt_dir):
 
 def test_router_and_indexer_weights_stay_fp32(v32):
     """In a bf16 model the router and the indexer's head weights keep fp32 (as HF keeps them)."""
-    from graphcp.models import load_model
+    from graphcp.checkpoint.loader import load_model
     model = load_model(v32, torch.bfloat16, torch.device("cpu"))
     layer = model.model.layers["1"]
     assert layer.mlp.gate.weight.dtype == torch.float32
@@ -318,7 +318,7 @@ def test_index_share_schedule_is_hfs(spelling):
     """GLM-5.2's IndexShare schedule from every spelling, as GlmMoeDsaConfig derives indexer_types
     (78 layers; GLM-5.2 declares freq 4, offset 3)."""
     import transformers
-    from graphcp.models.dsa_config import _shared_indexer
+    from graphcp.models.deepseek.config import _shared_indexer
     hf = transformers.GlmMoeDsaConfig(num_hidden_layers=78, **spelling).indexer_types
     ours = _shared_indexer(dict(spelling), "GlmMoeDsaForCausalLM", 78)
     assert ours == tuple(t == "shared" for t in hf)
@@ -329,7 +329,7 @@ def test_index_share_schedule_is_hfs(spelling):
     (dict(index_topk_pattern="FSX"), "index_topk_pattern"),
     (dict(index_topk_freq=None), "integers")])
 def test_index_share_schedule_refuses_a_shared_first_layer(spelling, field):
-    from graphcp.models.dsa_config import _shared_indexer
+    from graphcp.models.deepseek.config import _shared_indexer
     with pytest.raises(ConfigError, match=field):
         _shared_indexer(spelling, "GlmMoeDsaForCausalLM", 3)
 

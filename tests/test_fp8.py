@@ -19,9 +19,13 @@ from fp8_checkpoint import make_fp8_checkpoint, quantize_blocks
 from graphcp import ConfigError, Engine, EngineArgs
 from graphcp.kernels.fp8_torch import dequantize_weight, fp8_linear_torch
 from graphcp.kernels.fp8_types import Fp8Weight
-from graphcp.models import fp8, load_model, loader, read_model_config
-from graphcp.models.llama import CausalLM
-from graphcp.models.parallel import TPInfo
+from graphcp.checkpoint import loader
+from graphcp.kernels.fp8_types import FP8
+from graphcp.models.common.quantized import is_fp8
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import read_model_config
+from graphcp.models.llama.model import LlamaForCausalLM
+from graphcp.distributed.shards import TPInfo
 from hf_reference import make_checkpoint
 from parity import Session, random_ids
 
@@ -64,7 +68,7 @@ def test_config_reads_fp8_and_refuses_other_methods(fp8_ckpt, tmp_path):
             read_model_config(str(d))
 
 
-def _rank_shards(model: CausalLM) -> dict[str, tuple]:
+def _rank_shards(model: LlamaForCausalLM) -> dict[str, tuple]:
     return {f"{n}.weight": m.shard for n, m in model.named_modules() if hasattr(m, "shard")}
 
 
@@ -89,7 +93,7 @@ def test_unaligned_tp_shards_dequantize_exactly(fp8_ckpt, rank):
             dim, start, end = shards[name]
             ref = ref[start:end] if dim == 0 else ref[:, start:end]
         module = modules[name.rsplit(".", 1)[0]]
-        if got.dtype == fp8.FP8:
+        if got.dtype == FP8:
             held += 1
             got = dequantize_weight(module.fp8, torch.float32)
         assert got.dtype == torch.float32 and torch.equal(got, ref), name
@@ -160,7 +164,7 @@ def test_kept_fp8_weights_and_gemm_at_unaligned_shards(fp8_ckpt):
         tp = TPInfo(2, rank)
         kept = load_model(fp8_ckpt[0], torch.float32, torch.device("cpu"), tp, ffn_tp=tp)
         sd = kept.state_dict()
-        quantized = [n for n, t in sd.items() if t.dtype == fp8.FP8]
+        quantized = [n for n, t in sd.items() if t.dtype == FP8]
         assert (
             len(quantized) == 2 * 7 - 1 and "model.layers.1.mlp.down_proj.weight" not in quantized
         )
@@ -185,7 +189,7 @@ def test_kept_fp8_weights_and_gemm_at_unaligned_shards(fp8_ckpt):
                     (layer.mlp.down_proj.fp8, torch.randn(7, 100, generator=gen), ("down_proj",))
                 )
             else:  # modules_to_not_convert: loaded as it is
-                assert not fp8.is_fp8(layer.mlp.down_proj)
+                assert not is_fp8(layer.mlp.down_proj)
             for w, inp, names in cases:
                 kind = "self_attn" if names[0] in ("q_proj", "o_proj") else "mlp"
                 full = [f"{p}{kind}.{n}.weight" for n in names]

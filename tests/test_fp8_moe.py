@@ -17,9 +17,14 @@ from parity import Session, random_ids
 from safetensors.torch import load_file, save_file
 
 from graphcp import ConfigError, Engine, EngineArgs
-from graphcp.models import fp8, load_model, loader, read_model_config
-from graphcp.models.llama import CausalLM
-from graphcp.models.moe import EPInfo, Experts
+from graphcp.checkpoint import fp8, loader
+from graphcp.kernels.fp8_types import FP8
+from graphcp.models.common.quantized import is_fp8
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import read_model_config
+from graphcp.models.llama.model import LlamaForCausalLM
+from graphcp.models.common.moe import Experts
+from graphcp.distributed.shards import EPInfo
 
 VOCAB = 211
 # Blocks smaller than the model: expert gate/up [40, 72] and down [72, 40] end in partial blocks,
@@ -51,7 +56,7 @@ def _our_quantized(path: str) -> set[str]:
     """The checkpoint tensors graphcp's loader reads as FP8 (its two sources of names)."""
     cfg = read_model_config(path)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = LlamaForCausalLM(cfg)
     names = set(fp8.quantized_names(model, cfg))
     for prefix, experts in model.named_modules():
         if isinstance(experts, Experts):
@@ -84,7 +89,7 @@ def test_fp8_modules_as_transformers_converts(fp8_moe):
     assert not any(".mlp.gate.weight" in n or "layers.2.mlp.experts" in n for n in want)
     assert _our_quantized(fp8_moe[0]) == want
     fp8_tensors = {n for n, t in load_file(os.path.join(fp8_moe[0], "model.safetensors")).items()
-                   if t.dtype == fp8.FP8}
+                   if t.dtype == FP8}
     assert fp8_tensors == want      # the tests' quantizer wrote exactly those
 
 
@@ -99,10 +104,10 @@ def test_expert_slices_dequantize_exactly(fp8_moe, ep):
     per = 4 // ep.ep_size
     lo, hi = (0, 40) if ep.expert_tp_size == 1 else (20, 40)
     model = load_model(fp8_moe[0], torch.float32, torch.device("cpu"), ep=ep)
-    assert fp8.is_fp8(model.model.layers["0"].self_attn.o_proj)
+    assert is_fp8(model.model.layers["0"].self_attn.o_proj)
     for layer, quantized in (("0", True), ("2", False)):
         experts = model.model.layers[layer].mlp.experts
-        assert experts.gate_up_proj.dtype == (fp8.FP8 if quantized else torch.float32)
+        assert experts.gate_up_proj.dtype == (FP8 if quantized else torch.float32)
         assert experts.gate_up_proj.shape == (per, 2 * (hi - lo), 72)
         for i in range(per):
             p = f"model.layers.{layer}.mlp.experts.{ep.ep_rank * per + i}"

@@ -33,8 +33,8 @@ def test_select_bucket_cases():
 
 @pytest.mark.parametrize("change,reason", [
     (dict(disable_cuda_graph=True), "disabled"),
-    (dict(pp_size=2), "pp_size > 1"),
-    (dict(dp_size=2), "dp_size > 1"),
+    (dict(pp_size=2), "pipeline parallelism (--pp > 1) runs eagerly"),
+    (dict(dp_size=2), "data-parallel attention (--dp > 1) runs eagerly"),
     (dict(cp_strategy="interleave"), "interleave"),
     (dict(backend="flashattention"), "flashattention"),
     (dict(backend="torch"), "torch"),
@@ -155,15 +155,15 @@ def test_injected_sync_serves_that_bucket_eagerly(checkpoint, monkeypatch, oracl
     """A host sync inside the model, only at bucket 16: that bucket fails capture, others are captured,
     and batches that need bucket 16 run eagerly and exactly."""
     from graphcp import Engine, EngineArgs
-    from graphcp.models import llama
-    original = llama.GatedMLP.forward
+    from graphcp.models.common import mlp
+    original = mlp.GatedMLP.forward
 
     def leaky(self, x):
         if x.shape[0] == 16:
             x = x * (x.abs().sum() > 0).item()
         return original(self, x)
 
-    monkeypatch.setattr(llama.GatedMLP, "forward", leaky)
+    monkeypatch.setattr(mlp.GatedMLP, "forward", leaky)
     with Engine(EngineArgs(model_path=checkpoint, max_total_tokens=2048, cuda_graph_buckets=[8, 16, 32])) as engine:
         stats = engine.stats()
         assert stats["graph_buckets"] == [8, 32] and "syncs with the host" in stats["capture_failures"][16]

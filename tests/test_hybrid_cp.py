@@ -24,8 +24,8 @@ from hybrid_reference import StateSlots, graph_equals_eager, make_hybrid_checkpo
 from graphcp.attention.linear_cp import ZigzagLinearAttention, exchange_bytes
 from graphcp.attention.linear_op import LocalLinearAttention, RequestStates
 from graphcp.cp import build_layout
-from graphcp.dist.comm import CPComm
-from graphcp.models import load_model
+from graphcp.distributed.comm import CPComm
+from graphcp.checkpoint.loader import load_model
 
 TOL = 1e-4
 OP_BATCHES = [[("0", 37), ("1", 3), ("2", 64)],        # fresh; "1" leaves its last block empty
@@ -51,7 +51,7 @@ def _rows(full: torch.Tensor, index: list[int], cap: int, fill: torch.Tensor) ->
 
 def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
     mixer = model.model.layers["0"].linear_attn
-    h = model.config.hybrid
+    h = model.config.family_config
     pools = [StateSlots(model.config, [0]) for _ in range(2)]
     gen, cached, worst = torch.Generator().manual_seed(7), {}, {"rows": 0.0, "states": 0.0}
     for batch in OP_BATCHES:
@@ -84,7 +84,7 @@ def _op_check(model, comm: CPComm) -> dict:  # noqa: ANN001
 
 
 def _graph_check(model, comm: CPComm) -> dict:  # noqa: ANN001
-    mixer, h = model.model.layers["2"].linear_attn, model.config.hybrid
+    mixer, h = model.model.layers["2"].linear_attn, model.config.family_config
     pool = StateSlots(model.config, [2]).pool
     gen, batches = torch.Generator().manual_seed(11), ([37, 5, 64], [50, 20, 9])
     layouts = [_zigzag(comm.size, comm.rank, lens, [0] * 3) for lens in batches]

@@ -17,7 +17,7 @@ from conftest import cp_kwargs
 from hybrid_reference import HybridHF, make_hybrid_checkpoint, rel_err
 
 from graphcp import Request, RequestError
-from graphcp.models import read_model_config
+from graphcp.checkpoint.config import read_model_config
 
 TOL = 1e-4
 LENGTHS = {"a": 190, "b": 57, "c": 63}
@@ -95,7 +95,7 @@ def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list
     worst, modes = _chunked_batches_equal_hf(engine, path, reference, force_eager)
     stats = engine.stats()
     assert stats["state_slots_free"] == free - len(LENGTHS)
-    h = read_model_config(path).hybrid                # fp32: conv window and delta state, 4 bytes
+    h = read_model_config(path).family_config                # fp32: conv window and delta state, 4 bytes
     per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
     assert stats["state_bytes_per_request"] == len(h.linear_layers) * per_layer
     assert stats["state_slots_total"] == 4           # --max-state-requests 2 + 2 spare
@@ -174,7 +174,7 @@ def test_pipeline_stages_and_expert_parallel_equal_hf(hybrid, engines):
     engine = engines.get(path, **cp_kwargs(2, pp_size=2, ep_size=2, moe_a2a_backend="all_to_all",
                                            **SMALL))
     worst, _ = _chunked_batches_equal_hf(engine, path, reference, force_eager=False)
-    h = read_model_config(path).hybrid
+    h = read_model_config(path).family_config
     per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
     slots = 4 + 1                                     # 2 + 2 spare, and the dummy slot
     # ranks: stage 0 (CP ranks 0, 1) then stage 1 (CP ranks 2, 3)

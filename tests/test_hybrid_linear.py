@@ -21,11 +21,12 @@ from graphcp.attention.linear_op import LocalLinearAttention, RequestStates
 from graphcp.config import EngineArgs
 from graphcp.errors import ConfigError
 from graphcp.forward_context import forward_context
-from graphcp.models import load_model, read_model_config
-from graphcp.models.delta_rule import (ChunkLayout, block_transition, causal_conv, gated_delta_rule,
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import read_model_config
+from graphcp.kernels.delta_rule_torch import (ChunkLayout, block_transition, causal_conv, gated_delta_rule,
                                       l2norm, state_outputs)
-from graphcp.models.flags import check_model_flags
-from graphcp.models.parallel import TPInfo
+from graphcp.checkpoint.config import check_model_flags
+from graphcp.distributed.shards import TPInfo
 
 TOL = 1e-4
 
@@ -41,7 +42,7 @@ class Driver:
     def __init__(self, path: str) -> None:
         self.model = load_model(path, torch.float32, torch.device("cpu"))
         cfg = self.model.config
-        self.states = StateSlots(cfg, cfg.hybrid.linear_layers)
+        self.states = StateSlots(cfg, cfg.family_config.linear_layers)
         self.kv: dict = {}
         self.cached: dict[str, int] = {}
 
@@ -54,7 +55,7 @@ class Driver:
         rows = torch.arange(sum(lens))
         linear_op = LocalLinearAttention(self.states.states(rids), torch.tensor(lens)[:, None],
                                          rows, torch.ones_like(rows))
-        ops = ByKind(self.model.config.hybrid.linear_layers, linear_op,
+        ops = ByKind(self.model.config.family_config.linear_layers, linear_op,
                      LocalFullAttention(self.kv, rids, lens))
         with forward_context(ops):
             logits = self.model.compute_logits(self.model(ids, positions))
@@ -171,7 +172,7 @@ def test_linear_op_graph_equals_eager(hybrid_dir):
     if not os.path.isdir(path):
         make_hybrid_checkpoint(path, "qwen3_5", seed=1)
     model = load_model(path, torch.float32, torch.device("cpu"))
-    h, mixer = model.config.hybrid, model.model.layers["0"].linear_attn
+    h, mixer = model.config.family_config, model.model.layers["0"].linear_attn
     pool = StateSlots(model.config, [0]).pool
     gen, rows = torch.Generator().manual_seed(0), 96
 
@@ -244,7 +245,7 @@ def test_hybrid_config_errors_name_the_field(tmp_path, changes, field):
 def test_hybrid_config_reads_the_layer_pattern(tmp_path):
     cfg = read_model_config(_config(tmp_path, layer_types=None, full_attention_interval=2,
                                     num_hidden_layers=4))
-    assert cfg.hybrid.linear_layers == (0, 2) and cfg.hybrid.rotary_dim == 8
+    assert cfg.family_config.linear_layers == (0, 2) and cfg.family_config.rotary_dim == 8
     assert cfg.attention_kinds == ("gated_deltanet", "gqa") * 2
     assert cfg.num_experts == 512 and cfg.moe_layers == (0, 1, 2, 3)    # transformers' default
     dense = read_model_config(_config(tmp_path, num_experts=0))

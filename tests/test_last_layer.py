@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphcp.models.decoder import DecoderLM
+from graphcp.models.common.decoder import DecoderLM
 from hf_reference import make_checkpoint
 from parity import Session, random_ids
 

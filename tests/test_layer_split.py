@@ -54,7 +54,7 @@ def test_layers_split_as_evenly_as_possible_over_cp_ranks():
 
 
 def test_even_split_property():
-    from graphcp.models.parallel import even_split
+    from graphcp.distributed.shards import even_split
     rng = np.random.default_rng(0)
     for _ in range(300):
         total, parts = int(rng.integers(0, 200)), int(rng.integers(1, 17))
@@ -67,7 +67,7 @@ def test_even_split_property():
 
 def test_pipeline_stages_are_sglangs():
     """SGLang's (vLLM's get_pp_indices) placement: the remainder on the stages before the last."""
-    from graphcp.models.parallel import pipeline_stage
+    from graphcp.distributed.shards import pipeline_stage
     for layers, stages, sizes in ((10, 4, [2, 3, 3, 2]), (6, 4, [1, 2, 2, 1]),
                                   (22, 4, [5, 6, 6, 5]), (5, 3, [2, 2, 1]), (4, 3, [1, 2, 1]),
                                   (3, 2, [2, 1]), (61, 4, [15, 15, 16, 15]), (2, 2, [1, 1]),

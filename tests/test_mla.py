@@ -12,7 +12,7 @@ from mla_checkpoint import DEEPSEEK_V3, KIMI_K2, write_release
 from parity import TOL, graph_and_eager, random_ids
 
 from graphcp import ConfigError, EngineArgs, Request
-from graphcp.models.dsa_config import check_mla_flags
+from graphcp.models.deepseek.config import check_mla_flags
 
 VOCAB = 211
 FIRST = [("a", random_ids(30, VOCAB, 1)), ("b", random_ids(19, VOCAB, 2))]

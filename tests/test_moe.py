@@ -11,9 +11,10 @@ import torch
 from safetensors import safe_open
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
-from graphcp.models import load_model, read_model_config
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import read_model_config
 from graphcp.kernels.moe_torch import dense_experts_torch
-from graphcp.models.moe import EPInfo
+from graphcp.distributed.shards import EPInfo
 from hf_reference import make_checkpoint, rel_err
 from parity import Session, graph_and_eager, random_ids
 

@@ -176,7 +176,7 @@ def test_senders_split_heads_layers_and_pages(checkpoint):
     import torch
 
     from graphcp.kv import CachePart, PagedPool, RequestKV
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     from graphcp.pd.sender import KVSender
     layers, heads, head_dim, page = 2, 2, 32, 4
     tokens = 11

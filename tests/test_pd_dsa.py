@@ -21,7 +21,7 @@ from parity import TOL, random_ids
 from test_dsa import INTERLEAVE, VOCAB, DSAOracle, make_dsa_checkpoint
 
 from graphcp import Request, RequestError
-from graphcp.models import read_model_config
+from graphcp.checkpoint.config import read_model_config
 from graphcp.pd import KVReceiver
 from graphcp.pd.layout import layout_for
 

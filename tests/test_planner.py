@@ -125,7 +125,7 @@ def test_dummy_batches_fill_their_bucket(strategy, cp):
         for seed in range(5):
             ext, prefix = s.dummy_batch(bucket, 8, 512, seed)
             assert len(ext) <= 8 and min(ext) >= s.min_request_len and max(ext) <= 512
-            assert s.plan(ext, prefix, 0).local_cap <= bucket and all(0 <= p <= 64 for p in prefix)
+            assert s.layout(ext, prefix, 0).local_cap <= bucket and all(0 <= p <= 64 for p in prefix)
     assert s.dummy_batch(s.aligned(4096), 2, 64, 0) is None   # two 64-token requests cannot fill it
 
 
@@ -144,7 +144,7 @@ def test_zigzag_counts_and_maxima_match_the_blocks(cp, batch):
         assert host.early_rows == sum(k[rank] for k in blocks)
         assert host.max_q == max(max(k) for k in blocks)
         assert host.max_kv == max(p + n for p, n in zip(pre, ext))
-        plan = strategy.plan(ext, pre, rank)
+        plan = strategy.layout(ext, pre, rank)
         assert plan.per_rank_tokens == counts and plan.host == host
 
 

@@ -13,9 +13,10 @@ from hf_reference import make_checkpoint, rel_err
 from parity import Session, random_ids
 
 from graphcp import ConfigError
-from graphcp.models.config import _from_raw, read_model_config
-from graphcp.models.dsa_rope import DSARotary, softmax_scale
-from graphcp.models.layers import RotaryEmbedding
+from graphcp.models.registry import config_from_dict
+from graphcp.checkpoint.config import read_model_config
+from graphcp.models.deepseek.rope import DSARotary, softmax_scale
+from graphcp.models.common.layers import RotaryEmbedding
 
 VOCAB = 211
 TABLE_TOL = 1e-6
@@ -171,12 +172,12 @@ def _raw(**rope) -> dict:
 ])
 def test_unsupported_rope_is_a_config_error(rope, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
-        _from_raw({**_raw(), **rope}, "config.json")
+        config_from_dict({**_raw(), **rope}, "config.json")
 
 
 def test_dynamic_serves_exactly_the_range_where_hf_is_fixed():
     """Past max_position_embeddings HF rescales per forward call; graphcp's context stops there."""
-    cfg = _from_raw(_raw(rope_parameters={"rope_type": "dynamic", "factor": 4.0}), "config.json")
+    cfg = config_from_dict(_raw(rope_parameters={"rope_type": "dynamic", "factor": 4.0}), "config.json")
     assert cfg.max_positions == 2048 and cfg.rope_scaling["rope_type"] == "dynamic"
 
 

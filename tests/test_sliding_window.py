@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from graphcp import Request, RequestError
-from graphcp.models.config import _sliding_window
+from graphcp.models.llama.config import sliding_window
 from hf_reference import make_checkpoint
 from parity import Session, random_ids
 
@@ -23,7 +23,7 @@ WINDOW = 24
     ({"sliding_window": 64, "layer_types": ["full_attention", "full_attention"]}, "Qwen3ForCausalLM", None),
 ])
 def test_which_configs_use_a_window(raw, arch, window):
-    assert _sliding_window(raw, arch, 2) == window
+    assert sliding_window(raw, arch, 2) == window
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from graphcp.kernels import registry  # noqa: E402
-from graphcp.models.layers import rms_norm_torch, rope_torch  # noqa: E402
+from graphcp.models.common.layers import rms_norm_torch, rope_torch  # noqa: E402
 from graphcp.kernels.triton_rmsnorm import triton_rms_norm  # noqa: E402
 from graphcp.kernels.triton_rope import triton_rope  # noqa: E402
 

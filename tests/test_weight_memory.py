@@ -19,10 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from fp8_checkpoint import make_fp8_checkpoint
 from graphcp import Engine, EngineArgs
-from graphcp.dist.parallel import rank_shards
+from graphcp.distributed.parallel import rank_shards
 from graphcp.memory import memory_report
-from graphcp.models import load_model, read_model_config
-from graphcp.models.meta import checkpoint_tensors
+from graphcp.checkpoint.loader import load_model
+from graphcp.checkpoint.config import read_model_config
+from graphcp.checkpoint.meta import checkpoint_tensors
 from hf_reference import make_checkpoint
 from mla_checkpoint import DEEPSEEK_V3, write_release
 
@@ -174,7 +175,7 @@ def test_plan_says_what_does_not_fit(twins, tmp_path):
 
 _PEAK = """
 import sys, torch
-from graphcp.models import load_model
+from graphcp.checkpoint.loader import load_model
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):

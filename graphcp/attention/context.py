@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from graphcp.cp.metadata import CPMetadata, LastTokens
-from graphcp.cp.plan import HostMaxima
-from graphcp.dist.comm import CPComm
+from graphcp.cp.metadata import HostMaxima
+from graphcp.distributed.comm import CPComm
 from graphcp.kernels.registry import KernelSpec
 from graphcp.kv.cache import PagedPool
 from graphcp.models.config import ModelConfig

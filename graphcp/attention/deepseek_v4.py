@@ -24,8 +24,9 @@ from graphcp.kernels.dsa_torch import key_slots, select_topk
 from graphcp.kernels.v4_torch import attend_with_sinks
 from graphcp.kv.cache import CachePart
 from graphcp.models.config import ModelConfig
-from graphcp.models.deepseek_v4_config import CSA, HCA
+from graphcp.models.deepseek_v4.config import CSA, HCA
 from graphcp.profiling import nvtx_range
+from graphcp.models.deepseek_v4.config import DeepseekV4Config
 
 # Query rows run in chunks whose gathered keys (and indexer scores) hold at most this many elements.
 CHUNK_ELEMENTS = 2**24
@@ -40,7 +41,7 @@ class V4SlidingAttention:
 
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx, self.pool, self.meta = ctx, ctx.pool, ctx.meta
-        v4, meta = ctx.cfg.v4, ctx.meta
+        v4, meta = DeepseekV4Config.of(ctx.cfg), ctx.meta
         self.window, self.topk = v4.sliding_window, v4.index_topk
         rows = torch.arange(meta.local_cap, device=meta.positions.device)
         seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)
@@ -143,7 +144,7 @@ def v4_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...
     """Per token: K = V; HCA its compressor's kv | gate (2 x head_dim) and entry; CSA its
     overlapping compressor's (4 x head_dim) and entry, the indexer's (4 x index_head_dim) and
     key."""
-    v4, d = cfg.v4, cfg.head_dim
+    v4, d = DeepseekV4Config.of(cfg), cfg.head_dim
     kind, parts = v4.layer_types[layer], [CachePart("kv", (d,))]
     if kind == HCA:
         parts += [CachePart("hca_rows", (2 * d,)), CachePart("entries", (d,))]
@@ -162,9 +163,9 @@ def v4_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
     kv, n = rows[0], rows[0].shape[0]
     if len(rows) == 1:
         return kv, None, None, None, None
-    kinds = cfg.v4.layer_types
+    kinds = DeepseekV4Config.of(cfg).layer_types
     kind = CSA if len(rows) == 5 else HCA
-    rate = cfg.v4.compress_rates[kinds.index(kind)]
+    rate = DeepseekV4Config.of(cfg).compress_rates[kinds.index(kind)]
     ends = slice(rate - 1, n // rate * rate, rate)       # entry e sits at token (e + 1) * rate - 1
     if kind == HCA:
         return kv, rows[2][ends], None, rows[1], None

@@ -13,15 +13,16 @@ import torch
 
 from graphcp.attention.context import AttentionContext
 from graphcp.kernels.dsa_torch import key_slots, select_topk
-from graphcp.models.dsa_rope import softmax_scale
+from graphcp.models.deepseek.rope import softmax_scale
 from graphcp.profiling import nvtx_range
+from graphcp.models.deepseek.config import MLAConfig
 
 
 class DSAAttention:
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx, self.pool, self.meta = ctx, ctx.pool, ctx.meta
         self.kernels = ctx.kernels.dsa
-        d, meta = ctx.cfg.dsa, ctx.meta
+        d, meta = MLAConfig.of(ctx.cfg), ctx.meta
         self.topk, self.latent_dim, self.scale = d.index_topk, d.kv_lora_rank, softmax_scale(ctx.cfg)
         rows = torch.arange(meta.local_cap, device=meta.q_limits.device)
         seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), rows, right=True)

@@ -21,6 +21,8 @@ from graphcp.attention.op import PagedAttention
 from graphcp.errors import ConfigError
 from graphcp.kv.cache import CachePart, LayerParts
 from graphcp.models.config import ModelConfig
+from graphcp.models.deepseek.config import MLAConfig
+from graphcp.models.qwen3_next.config import HybridConfig
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def _gqa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
 def _dsa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
     """The MLA row, shared by every head (so by every attention-TP rank), and the indexer keys on
     an indexed layer (not DeepSeek-V3's, nor a GLM-5 "shared" one that reuses the top-k before)."""
-    d = cfg.dsa
+    d = MLAConfig.of(cfg)
     mla = CachePart("mla", (d.kv_lora_rank + d.qk_rope_head_dim,))
     if not d.indexed(layer):
         return (mla,)
@@ -61,12 +63,13 @@ def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
     """(kv_latent [n, kv_lora_rank], k_rope [n, rope_dim], index_k [n, index_dim] or None)."""
     mla = rows[0].float().cpu()
     index = rows[1].float().cpu() if len(rows) > 1 else None
-    return mla[:, :cfg.dsa.kv_lora_rank], mla[:, cfg.dsa.kv_lora_rank:], index
+    latent = MLAConfig.of(cfg).kv_lora_rank
+    return mla[:, :latent], mla[:, latent:], index
 
 
 def _linear_state(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
     """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs), the delta-rule state (fp32)."""
-    h = cfg.hybrid
+    h = HybridConfig.of(cfg)
     return (CachePart(CONV, (h.conv_kernel - 1, h.conv_dim)),
             CachePart(RECURRENT, (h.num_v_heads, h.head_k_dim, h.head_v_dim), torch.float32))
 

@@ -29,9 +29,9 @@ import torch
 from graphcp.attention.context import AttentionContext
 from graphcp.attention.linear_op import (LocalLinearAttention, RequestStates, SequenceMixer,
                                          chunk_layout)
-from graphcp.dist.comm import CPComm, all_gather_into
+from graphcp.distributed.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
-from graphcp.models.delta_rule import block_transition, causal_conv, last_inputs, state_outputs
+from graphcp.kernels.delta_rule_torch import block_transition, causal_conv, last_inputs, state_outputs
 
 
 def gathered_index(block_lens: torch.Tensor) -> torch.Tensor:

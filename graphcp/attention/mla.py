@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from graphcp.attention.context import AttentionContext
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.graph.protocol import graph_break
 from graphcp.kernels.mla_torch import MLAArgs, MLADims, mla_attention
-from graphcp.models.dsa_rope import softmax_scale
+from graphcp.models.deepseek.rope import softmax_scale
 from graphcp.profiling import nvtx_range
+from graphcp.models.deepseek.config import MLAConfig
 
 
 @graph_break(host_arg="host")
@@ -30,7 +31,7 @@ def _mla_break(args: MLAArgs, host: HostMaxima) -> torch.Tensor:
 class MLAAttention:
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx, self.meta, self.pool = ctx, ctx.meta, ctx.pool
-        d = ctx.cfg.dsa
+        d = MLAConfig.of(ctx.cfg)
         self.dims = MLADims(d.kv_lora_rank, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim)
         self.scale = softmax_scale(ctx.cfg)
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from graphcp.attention.context import AttentionContext
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.graph.protocol import graph_break
 from graphcp.kernels.registry import KernelArgs, KernelSpec
 from graphcp.profiling import nvtx_range

@@ -15,7 +15,7 @@ import torch
 
 from graphcp.cp.host_metadata import zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, zigzag_metadata
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 from graphcp.cp.strategy import ContextParallelStrategy, ZigzagStrategy
 
 UNSPLIT_CANDIDATES = 8   # placements a batch weighs beyond the threshold's (each an LPT pass)
@@ -42,7 +42,7 @@ class CostModel:
         runs its padded rows (``local_cap``) through the linear layers and gathers them; each
         attends for its own rows; ranks meet at every layer's all-gather, so the busiest rank's
         attention sets the pace. A batch the layout cannot shard runs whole on every rank."""
-        plan = strategy.plan(extend_lens, prefix_lens, 0)
+        plan = strategy.layout(extend_lens, prefix_lens, 0)
         if not plan.cp_applied:
             return self.fixed + sum(self.work(n, p) for n, p in zip(extend_lens, prefix_lens))
         placed, lens, prefix = plan.strategy, torch.tensor(extend_lens), torch.tensor(prefix_lens)
@@ -133,7 +133,7 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
         """The placement ``for_batch`` decided (with the batch's prefixes); asking before is a
         bug."""
         if self.whole_on is None or len(self.whole_on) != len(extend_lens):
-            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or plan) for "
+            raise RuntimeError("adaptive CP: ask the strategy returned by for_batch (or layout) for "
                                "a batch")
         return self.whole_on
 

@@ -7,7 +7,7 @@ them out). No host syncs, no data-dependent shapes, no constants copied from the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -166,3 +166,12 @@ def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, pa
         gather_token_index=((flat + 1) * valid - 1).reshape(-1),
         gather_positions=position.reshape(-1), gather_requests=req.reshape(-1),
         block_lens=extend_lens[:, None])
+
+
+@dataclass(slots=True)
+class HostMaxima:
+    """Host-side values of one batch on one rank (break arguments) and a per-forward kernel scratch."""
+    max_q: int = 0
+    max_kv: int = 0
+    early_rows: int = 0     # zigzag: local rows held by early blocks (the flashattention path splits there)
+    workspace: dict = field(default_factory=dict)   # per-forward values kernels share across layers

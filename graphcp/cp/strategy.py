@@ -10,12 +10,12 @@ import torch
 
 from graphcp.cp.host_metadata import interleave_metadata_host, zigzag_metadata_host
 from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
-from graphcp.cp.plan import HostMaxima
+from graphcp.cp.metadata import HostMaxima
 
 
 @dataclass(slots=True)
-class LayoutPlan:
-    """A batch's layout, decided once on the host (``ContextParallelStrategy.plan``): the strategy it runs
+class BatchLayout:
+    """A batch's layout, decided once on the host (``ContextParallelStrategy.layout``): the strategy it runs
     with, what each CP rank holds, the padded local capacity and this rank's host maxima. The planner makes
     it; the runner, the attention ops and the graphs only read it."""
     strategy: "ContextParallelStrategy"  # the strategy the batch runs with (unsharded when CP is off)
@@ -54,7 +54,7 @@ class ContextParallelStrategy:
         """The strategy a batch runs with (adaptive CP decides its placement here)."""
         return self
 
-    def plan(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> LayoutPlan:
+    def layout(self, extend_lens: list[int], prefix_lens: list[int], rank: int) -> BatchLayout:
         """The batch's layout, decided once: placement, per-rank tokens, local capacity and this CP
         rank's host maxima. A batch the layout cannot shard runs unsharded (every rank holds all of it,
         as rank 0 of a one-rank zigzag)."""
@@ -63,11 +63,11 @@ class ContextParallelStrategy:
         placed = self.for_batch(extend_lens, prefix_lens)
         if self.cp_size > 1 and placed.applies(extend_lens):
             counts, host = placed.counts_and_maxima(extend_lens, prefix_lens, rank)
-            return LayoutPlan(placed, True, counts, max(1, placed.aligned(max(counts))), host,
+            return BatchLayout(placed, True, counts, max(1, placed.aligned(max(counts))), host,
                               placed.whole_on)
         whole = unsharded()
         reason = self.unsharded_reason() if self.cp_size > 1 else None
-        return LayoutPlan(whole, False, [sum(extend_lens)] * self.cp_size, max(1, sum(extend_lens)),
+        return BatchLayout(whole, False, [sum(extend_lens)] * self.cp_size, max(1, sum(extend_lens)),
                           whole.host_maxima(extend_lens, prefix_lens, 0), None, reason)
 
     def describe_cost(self) -> dict | None:
@@ -129,7 +129,7 @@ class ContextParallelStrategy:
             ext = [min_len + b - a for a, b in zip([0] + cuts, cuts + [extra])]
             if max(ext) <= ctx:
                 prefix = [rng.randint(0, min(64, ctx - e)) if prefixes else 0 for e in ext]
-                if self.plan(ext, prefix, 0).local_cap <= bucket:
+                if self.layout(ext, prefix, 0).local_cap <= bucket:
                     return ext, prefix
             hi = max(n_req * min_len, target - 1)
         return None

@@ -52,7 +52,7 @@ class BucketRecord:
 
 
 Forward = Callable[[ForwardBatch], torch.Tensor]
-CaptureBatch = Callable[[int, int], tuple[BatchInputs, Any]]   # (bucket, seed) -> (batch, its layout plan)
+CaptureBatch = Callable[[int, int], tuple[BatchInputs, Any]]   # (bucket, seed) -> (batch, its layout)
 
 
 class GraphRunner:
@@ -169,9 +169,9 @@ class GraphRunner:
         inputs, cuda = self.inputs, self.device.type == "cuda"
 
         def load(seed: int) -> ForwardBatch:
-            batch, plan = capture_batch(bucket, seed)
+            batch, layout = capture_batch(bucket, seed)
             inputs.set_batch(batch)
-            return ForwardBatch(inputs.static, plan, inputs.aux)
+            return ForwardBatch(inputs.static, layout, inputs.aux)
 
         def run(batch: ForwardBatch) -> None:
             inputs.logits.copy_(self.forward(batch))

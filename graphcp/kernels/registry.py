@@ -168,6 +168,10 @@ def triton_unusable(device: torch.device) -> str | None:
 def use_triton_interpreter() -> None:
     """Ask for Triton's CPU interpreter (``--attention-kernel triton`` on CPU). The engine calls this at
     start, before anything imports triton; rank processes inherit it."""
+    log.warning("graphcp: --attention-kernel triton on CPU runs graphcp's Triton kernels in Triton's "
+                "interpreter (numpy, one program at a time): meant for tests, it is 100-1000x slower "
+                "than the torch kernels; graph capture alone can take minutes. Leave the flag at "
+                "auto to use the torch kernels on CPU.")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -59,3 +59,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     torch.neg(x[..., half:], out=out[..., :half])
     out[..., half:] = x[..., :half]
     return out
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's pairwise rotation of (x0, x1), (x2, x3), ...; the output is de-interleaved (even
+    results, then odd ones), as HF writes it. cos/sin: the usual cat(freqs, freqs) tables."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

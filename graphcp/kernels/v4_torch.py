@@ -42,3 +42,15 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     return torch.matmul(probs.to(keys.dtype), keys)
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last ``2 * cos.shape[-1]`` features of ``x`` as pairs (x0, x1), (x2, x3), ... in
+    fp32; the leading features pass through. cos/sin broadcast against ``x[..., :dim / 2]``; the
+    inverse rotation is ``sin`` negated."""
+    dim = 2 * cos.shape[-1]
+    rope = x[..., -dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    c, s = cos.float(), sin.float()
+    rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-dim], rotated.to(x.dtype)], dim=-1)

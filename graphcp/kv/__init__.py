@@ -16,7 +16,7 @@ from graphcp.kv.sizing import agreed_tokens, context_limit, describe, measured_b
 from graphcp.kv.states import StatePool, state_bytes
 
 if TYPE_CHECKING:
-    from graphcp.dist.parallel import RankParallel
+    from graphcp.distributed.parallel import RankParallel
 
 log = logging.getLogger("graphcp")
 

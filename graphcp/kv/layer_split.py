@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from graphcp.kv.cache import LayerParts, PagedPool
-from graphcp.models.parallel import even_split
+from graphcp.distributed.shards import even_split
 
 
 class ScratchPages:

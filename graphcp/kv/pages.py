@@ -85,7 +85,9 @@ class PageTable:
             prefix, need = self._check_each(rids, extend_lens, states)
         if need > self._top:
             raise RequestError(f"request {rids[-1]!r}: the batch needs {need * self.page_size} KV tokens, "
-                               f"only {self.tokens_free} are free; release finished requests")
+                               f"only {self.tokens_free} of the pool's {self.tokens_total} are free; "
+                               "release finished requests, or start the engine with a larger "
+                               "--max-total-tokens (or --mem-fraction-static)")
         if self.state_slots and len(rids) > len(self._free_states):
             held = sum(1 for r in self.requests.values() if r.state_slot)
             first = rids[len(self._free_states)]

@@ -20,6 +20,7 @@ from graphcp.attention.kinds import cache_parts, layer_kinds
 from graphcp.config import TORCH_DTYPES as DTYPES
 from graphcp.errors import RequestError
 from graphcp.models.config import ModelConfig
+from graphcp.models.deepseek.config import MLAConfig
 
 KINDS = tuple(sorted({kind.pd_kind for kind in LAYER_KINDS.values()}))
 
@@ -82,7 +83,7 @@ def layout_for(cfg: ModelConfig, max_tokens: int, dtype: str) -> SlotLayout:
     kind = layer_kinds(cfg, layers)[0].pd_kind
     first = parts[0][0]
     heads, column = (first.shape[0], first.shape[1]) if len(first.shape) == 2 else (1, first.width)
-    latent = cfg.dsa.kv_lora_rank if cfg.dsa is not None else 0
+    latent = cfg.family_config.kv_lora_rank if isinstance(cfg.family_config, MLAConfig) else 0
     return SlotLayout(cfg.num_hidden_layers, heads, column, max_tokens, dtype, kind, latent,
                       tuple(tuple(p.width for p in parts[i]) for i in layers))
 

@@ -26,7 +26,7 @@ from graphcp.models.config import ModelConfig
 from graphcp.pd.layout import SlotLayout, layout_for, parse_destination
 
 if TYPE_CHECKING:
-    from graphcp.dist.parallel import RankParallel
+    from graphcp.distributed.parallel import RankParallel
     from graphcp.planner import Planner
 from graphcp.pd.mooncake import start_engine
 
@@ -36,7 +36,8 @@ class KVSender:
     dense or DSA alike; ``model_config`` (``read_model_config``) gives the layout the destination must have."""
 
     def __init__(self, pool: PagedPool, model_config: ModelConfig, stage_layers: range, cp_size: int,
-                 cp_rank: int, attn_tp_rank: int, protocol: str, timeout_s: float) -> None:
+                 cp_rank: int, attn_tp_rank: int, protocol: str, timeout_s: float,
+                 host: str = "127.0.0.1") -> None:
         self.pool, self.protocol, self.timeout_s = pool, protocol, timeout_s
         registered = [t for t in pool.registered() if t.numel()]       # a DSA model may index no layer
         self.model = layout_for(model_config, 1, _dtype_name(registered[0].dtype))
@@ -46,7 +47,7 @@ class KVSender:
         first = pool.transfer_parts(stage_layers.start)[0]
         columns = _row_bytes(first) * self.model.num_kv_heads // self.model.row_bytes(stage_layers.start, 0)
         self.columns = range(attn_tp_rank * columns, (attn_tp_rank + 1) * columns)
-        self.engine = start_engine(protocol, timeout_s=timeout_s)
+        self.engine = start_engine(protocol, host, timeout_s=timeout_s)
         self.header = torch.zeros(max(1, len(self.layers)), columns, dtype=torch.int64)
         for t in (*registered, self.header):
             if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
@@ -61,12 +62,12 @@ class KVSender:
             return {"bytes": 0, "seconds": 0.0}
         start = time.perf_counter()
         src, dst, lengths = self._writes(layout, dest["data_addr"], state)
-        self._write(rid, dest["session"], src, dst, lengths, "KV pages")
+        self.write(rid, dest["session"], src, dst, lengths, "KV pages")
         self.header.fill_(state.cached_len)
         row = self.header.shape[1] * 8
         marks = [(self.header.data_ptr() + i * row, dest["header_addr"] + layout.header_offset(layer, self.columns[0]))
                  for i, layer in enumerate(self.layers)]
-        self._write(rid, dest["session"], [s for s, _ in marks], [d for _, d in marks], [row] * len(marks), "header")
+        self.write(rid, dest["session"], [s for s, _ in marks], [d for _, d in marks], [row] * len(marks), "header")
         return {"bytes": sum(lengths), "seconds": time.perf_counter() - start}
 
     def _check(self, rid: str, layout: SlotLayout, dest: dict, cached_len: int) -> None:
@@ -104,7 +105,7 @@ class KVSender:
                                 data_addr + layout.row_offset(layer, part, t, self.columns[0]), local_row)
         return src, dst, lengths
 
-    def _write(self, rid: str, session: str, src: list, dst: list, lengths: list, what: str) -> None:
+    def write(self, rid: str, session: str, src: list, dst: list, lengths: list, what: str) -> None:
         """One batch of Mooncake writes, waited for at most the transfer timeout. Mooncake bounds a stalled
         data stream itself, but not its handshake with a peer that accepts and never answers (a frozen
         process): that call is left behind in its thread, which ends when the peer's socket closes."""
@@ -148,8 +149,12 @@ def start_sender(args: EngineArgs, model_config: ModelConfig, pool: PagedPool,
     is the rank's ``RankParallel`` (its stage's layers, its CP and attention-TP ranks)."""
     if args.disaggregation_mode != "prefill":
         return None
+    host = "127.0.0.1"
+    if args.disaggregation_bootstrap_port is not None:      # decode workers elsewhere reach this engine
+        from graphcp.pd.sglang.bootstrap import local_ip
+        host = local_ip()
     return KVSender(pool, model_config, par.layers, args.cp_size, par.me.cp_rank, par.me.attn_tp_rank,
-                    args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s)
+                    args.resolved_transfer_protocol(), args.disaggregation_transfer_timeout_s, host)
 
 
 def transfer_kv(planner: "Planner", sender: KVSender | None, rid: str, destination: dict) -> dict | None:

@@ -68,7 +68,7 @@ def adaptive_bench(args: EngineArgs, reps: int = 15, seed: int = 0) -> dict:
     from graphcp import Engine
     from graphcp.cp.adaptive import AdaptiveZigzagStrategy, CostModel
     from graphcp.cp.strategy import make_strategy
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)
     batches = {name: [[rng.randrange(vocab) for _ in range(n)] for n in lens]
@@ -98,7 +98,7 @@ def adaptive_bench(args: EngineArgs, reps: int = 15, seed: int = 0) -> dict:
     verdicts = []
     for name, lens in CASES.items():
         ms = {r["layout"]: r for r in rows if r["batch"] == name}
-        placed = {layout: strategies[layout].plan(lens, [0] * len(lens), 0).whole_on
+        placed = {layout: strategies[layout].layout(lens, [0] * len(lens), 0).whole_on
                   for layout in ADAPTIVE}
         same = [layout for layout in ADAPTIVE[1:] if placed[layout] == placed["adaptive"]]
         verdict = {"batch": name, "adaptive_places_as": same}

@@ -14,7 +14,10 @@ import time
 import torch
 
 from graphcp.config import resolve_dtype
-from graphcp.models.config import read_model_config
+from graphcp.checkpoint.config import read_model_config
+from graphcp.models.deepseek.config import MLAConfig
+from graphcp.models.deepseek_v4.config import DeepseekV4Config
+from graphcp.models.qwen3_next.config import HybridConfig
 from graphcp.tools.cli import engine_args, engine_parser
 from graphcp.tools.dsa_balance import dsa_table, v4_table
 from graphcp.tools.hf_baseline import HFModel, time_ms
@@ -53,10 +56,10 @@ def run(argv: list[str]) -> int:
     # Engine defaults (CP=1): the fair comparison with HF on the same devices; pass the CP flags to bench CP.
     parser = engine_parser("graphcp bench", "graphcp graph vs eager vs HF transformers, side by side.", cp_default=1)
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="NxL: N requests of L tokens")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--json", dest="json_out", default=None)
-    parser.add_argument("--plot", default="graphcp-bench.png")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per case (medians reported)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON")
+    parser.add_argument("--plot", default=None, help="also draw the results into this PNG file")
     parser.add_argument("--adaptive", action="store_true",
                         help="instead of the cases: static zigzag vs adaptive CP vs unsharded on an all-short and a "
                              "mixed batch, side by side at the run's CP size (default CP 2)")
@@ -75,7 +78,7 @@ def run(argv: list[str]) -> int:
                                                                                     "--enable-prefill-cp",
                                                                                     "--cp-strategy", "zigzag"])
     if ns.real_model and ns.model_path is None:
-        from graphcp.models.real_model import smollm2_path
+        from graphcp.checkpoint.real_model import smollm2_path
         ns.model_path = smollm2_path()
     args = engine_args(ns)
     cases = [parse_case(c) for c in ns.cases]
@@ -141,17 +144,16 @@ def run(argv: list[str]) -> int:
           f"{prep['tensor']['total_us']:.0f} us with tensor ids, {prep['list']['total_us']:.0f} us with lists; "
           f"page allocation {prep['tensor']['allocate_us']:.0f} us")
     report["host_prep_us"] = prep["host_prep_us"]
-    model_cfg = read_model_config(args.model_path)
-    if model_cfg.dsa is not None and model_cfg.dsa.index_topk:   # DSA: indexer and sparse work per rank
-        table, report["dsa_balance"] = dsa_table(cases, balance_cp, model_cfg.dsa.index_topk)
+    family = read_model_config(args.model_path).family_config
+    if isinstance(family, MLAConfig) and family.index_topk:   # DSA: indexer and sparse work per rank
+        table, report["dsa_balance"] = dsa_table(cases, balance_cp, family.index_topk)
         print(table)
-    if model_cfg.v4 is not None:     # the same for DeepSeek V4's CSA indexers and all layers' keys
-        table, report["v4_balance"] = v4_table(cases, balance_cp, model_cfg.v4)
+    if isinstance(family, DeepseekV4Config):   # the same for V4's CSA indexers and all layers' keys
+        table, report["v4_balance"] = v4_table(cases, balance_cp, family)
         print(table)
-    hybrid = read_model_config(args.model_path).hybrid
-    if hybrid is not None:     # the linear layers' work per zigzag rank, their exchange per layer
+    if isinstance(family, HybridConfig):   # the linear layers' work per zigzag rank, their exchange
         dtype = resolve_dtype(args.dtype, torch.device(args.resolved_device()))
-        table, report["linear_balance"] = linear_table(cases, balance_cp, hybrid, dtype)
+        table, report["linear_balance"] = linear_table(cases, balance_cp, family, dtype)
         print(table)
     moe = moe_traffic(args, cases, vocab)
     if moe:

@@ -1,5 +1,4 @@
-"""``graphcp demo | generate | bench | profile | soak | pd-bench | adaptive-bench | memory``: the command
-line."""
+"""``graphcp COMMAND``: the command line (``COMMANDS`` lists them, one line each)."""
 from __future__ import annotations
 
 import argparse
@@ -23,24 +22,46 @@ def engine_parser(prog: str, description: str, cp_default: int) -> argparse.Argu
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     if ns.model_path is None:
-        from graphcp.models.random_checkpoint import demo_checkpoint
+        from graphcp.checkpoint.random import demo_checkpoint
         ns.model_path = demo_checkpoint(getattr(ns, "demo_model", "qwen3"))
     if ns.attn_cp_size == 1:
         ns.enable_prefill_cp = False
     return EngineArgs.from_namespace(ns)
 
 
+# command -> (module, what it does)
+COMMANDS = {
+    "demo": ("graphcp.tools.demo", "chat with the embedded real model (SmolLM2-135M) at CP 2 in graphs"),
+    "generate": ("graphcp.tools.generate", "greedy continuation of one --prompt on any checkpoint"),
+    "memory": ("graphcp.tools.memory", "will it fit? each rank's weights, KV pool and longest request "
+                                       "from config.json alone"),
+    "bench": ("graphcp.tools.bench", "long-prompt prefill: graph vs eager vs HF transformers, side by side"),
+    "profile": ("graphcp.tools.profile", "torch-profiler kernel table and timeline of one prefill"),
+    "soak": ("graphcp.tools.soak", "many random batches: no leaked pages, no re-capture, bounded memory"),
+    "pd-bench": ("graphcp.tools.pd_bench", "KV transfer over Mooncake to a receiver: time and bandwidth"),
+    "adaptive-bench": ("graphcp.tools.adaptive_bench", "static zigzag vs adaptive CP vs unsharded"),
+    "serve": ("graphcp.serve.cli", "HTTP prefill worker for SGLang's router (SGLang 0.5.23 PD protocol)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: graphcp COMMAND [engine flags]   (graphcp COMMAND --help for its flags)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "graphcp.tools.demo", "generate": "graphcp.tools.generate", "bench": "graphcp.tools.bench",
-                "profile": "graphcp.tools.profile", "soak": "graphcp.tools.soak", "pd-bench": "graphcp.tools.pd_bench",
-                "adaptive-bench": "graphcp.tools.adaptive_bench", "memory": "graphcp.tools.memory"}
-    if not argv or argv[0] not in commands:
-        print("usage: graphcp {demo,generate,bench,profile,soak,pd-bench,adaptive-bench,memory} [engine flags]   "
-              "(graphcp CMD --help for details)")
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr)
         return 2
     import importlib
-    module = importlib.import_module(commands[argv[0]])
+    module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         return module.run(argv[1:]) or 0
     except ConfigError as e:

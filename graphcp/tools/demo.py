@@ -93,7 +93,7 @@ def run_text(ns) -> int:  # noqa: ANN001
 
 def run_random(ns) -> int:  # noqa: ANN001
     from graphcp import Engine
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     args = engine_args(ns)
     if args.max_total_tokens is None:
         args = dataclasses.replace(args, max_total_tokens=16384)

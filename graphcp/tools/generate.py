@@ -43,10 +43,12 @@ def greedy_generate(
 
     generated: dict[str, list[int]] = {rid: [] for rid in prompts}
     steps, batch = [], [(rid, list(ids)) for rid, ids in prompts.items()]
+    prefilled = False
     try:
         while batch:
             t0 = time.perf_counter()
             out = engine.prefill([Request(rid, ids) for rid, ids in batch])
+            prefilled = True
             ms = (time.perf_counter() - t0) * 1e3
             steps.append(Step(batch, out.mode, out.graph_bucket, out.eager_reason, ms, out.logits))
             for (rid, _), token in zip(batch, out.next_token_ids):
@@ -57,7 +59,7 @@ def greedy_generate(
                 if generated[rid][-1] not in stop_ids and len(generated[rid]) < max_new_tokens
             ]
     finally:
-        for rid in prompts:
+        for rid in prompts if prefilled else ():     # a refused first batch cached nothing
             engine.release(rid)
     return generated, steps
 
@@ -80,8 +82,13 @@ def chat_ids(tok, text: str, chat: bool = True) -> list[int]:  # noqa: ANN001
         enc = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
         )
-        return list(enc["input_ids"])
-    return list(tok(text)["input_ids"])
+        ids = list(enc["input_ids"])
+    else:
+        ids = list(tok(text)["input_ids"])
+    if not ids:
+        raise ConfigError("the checkpoint's tokenizer turned the prompt into no tokens; check that "
+                          "--model-path holds the model's own tokenizer files")
+    return ids
 
 
 def stop_ids(tok) -> tuple[int, ...]:  # noqa: ANN001
@@ -119,7 +126,7 @@ def text_defaults(ns) -> None:  # noqa: ANN001
     if ns.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be >= 1")
     if ns.model_path is None:
-        from graphcp.models.real_model import smollm2_path
+        from graphcp.checkpoint.real_model import smollm2_path
 
         ns.model_path = smollm2_path()
     ns.cuda_graph_buckets = ns.cuda_graph_buckets or [32, 64, 128]

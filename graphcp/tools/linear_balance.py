@@ -13,7 +13,7 @@ import torch
 
 from graphcp.attention.linear_cp import exchange_bytes
 from graphcp.cp import build_layout
-from graphcp.models.hybrid_config import HybridConfig
+from graphcp.models.qwen3_next.config import HybridConfig
 
 
 def linear_rows(cases: list[tuple[int, int]], cp: int, h: HybridConfig,

@@ -19,7 +19,7 @@ from graphcp.tools.cli import engine_args, engine_parser
 
 def pd_bench(args: EngineArgs, lengths: list[int], reps: int = 5, seed: int = 0) -> dict:
     from graphcp import Engine
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     from graphcp.pd import KVReceiver
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)

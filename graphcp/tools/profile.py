@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from graphcp.dist.procs import child_env, free_port
+from graphcp.distributed.procs import child_env, free_port
 from graphcp.tools.cli import engine_args, engine_parser
 
 TOP_OPS = 25
@@ -106,7 +106,7 @@ def _profile(args, ns: argparse.Namespace, rank: int) -> None:  # noqa: ANN001
     from torch.profiler import ProfilerActivity, profile
 
     from graphcp import Engine, Request
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     batches = _batches(vocab, ns)
     device = args.resolved_device()
@@ -359,8 +359,8 @@ def _report(out_dir: str) -> int:
     print(f"  {summary}")
     if drew:
         print(f"  {timeline}")
-    head = text.split("## Rank 0", 1)[-1].splitlines()
-    print("\n## Rank 0" + "\n".join(head[:14]))
+    rank0 = text.split("## Rank 0", 1)[-1].split("\n## ", 1)[0]     # its whole table: every top row
+    print("\n## Rank 0" + rank0.rstrip())
     return 0
 
 

@@ -18,7 +18,7 @@ import torch
 
 from graphcp.config import STRATEGIES, EngineArgs
 from graphcp.errors import ConfigError
-from graphcp.models.config import read_model_config
+from graphcp.checkpoint.config import read_model_config
 from graphcp.tools.hf_baseline import HFModel, time_ms
 
 DEFAULT_LENGTHS = (1024, 4096, 16384, 65536)
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=3,
                         help=f"timed runs per length (median), one from {ONE_RUN_FROM} tokens")
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--plot", default="graphcp-scale.png", help="PNG path ('' for none)")
+    parser.add_argument("--plot", default=None, help="also draw the log-log plot into this PNG file")
     parser.add_argument("--json", dest="json_out", default=None)
     return parser
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if ns.model_path is None:
-        from graphcp.models.random_checkpoint import long_context_checkpoint
+        from graphcp.checkpoint.random import long_context_checkpoint
         ns.model_path = long_context_checkpoint()
     lengths = sorted(set(ns.lengths + ([LONG_LENGTH] if ns.long else [])))
     _check(ns, lengths)

@@ -16,7 +16,7 @@ def soak(args: EngineArgs, batches: int = 1000, sample_every: int = 50, seed: in
     from tqdm import tqdm
 
     from graphcp import Engine
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)
     min_len = 2 * args.cp_size

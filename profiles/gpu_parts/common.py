@@ -68,7 +68,7 @@ def checkpoint(rep: Report, workdir: str) -> str:
     """
     import torch
 
-    from graphcp.models.random_checkpoint import DEMO_QWEN3, LLAMA_1B, make_random_checkpoint
+    from graphcp.checkpoint.random import DEMO_QWEN3, LLAMA_1B, make_random_checkpoint
     if rep.dry_run:
         return make_random_checkpoint(os.path.join(workdir, "demo-qwen3"), DEMO_QWEN3, seed=0)
     t = time.monotonic()

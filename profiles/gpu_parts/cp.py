@@ -34,7 +34,7 @@ def _cp1_logits(rep: Report, path: str, vocab: int, names: list[str], workdir: s
 
 def run(rep: Report, workdir: str) -> str:
     from graphcp import Engine
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     path = checkpoint(rep, workdir)
     vocab = read_model_config(path).vocab_size
     names = ["1x16", "2x24"] if rep.dry_run else ["8x128", "1x2048"]

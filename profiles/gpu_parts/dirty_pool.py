@@ -29,8 +29,8 @@ def _dirty_device_memory() -> int:
 
 def run(rep: Report, workdir: str) -> str:
     from graphcp import Engine, EngineArgs
-    from graphcp.models import read_model_config
-    from graphcp.models.random_checkpoint import DEMO_QWEN3, make_random_checkpoint
+    from graphcp.checkpoint.config import read_model_config
+    from graphcp.checkpoint.random import DEMO_QWEN3, make_random_checkpoint
     path = make_random_checkpoint(os.path.join(workdir, "demo-qwen3"), DEMO_QWEN3, seed=0)
     dirty = 0 if rep.dry_run else _dirty_device_memory()
     if rep.dry_run:

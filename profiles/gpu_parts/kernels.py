@@ -164,7 +164,7 @@ def _check_layer_ops(rep: Report, device: str) -> None:
 
     from graphcp.kernels.triton_rmsnorm import triton_rms_norm
     from graphcp.kernels.triton_rope import triton_rope
-    from graphcp.models.layers import rms_norm_torch, rope_torch
+    from graphcp.models.common.layers import rms_norm_torch, rope_torch
     t, hidden, heads, d = (9, 64, 2, 64) if rep.dry_run else (8192, 4096, 32, 128)
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(11)

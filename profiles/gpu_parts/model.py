@@ -55,7 +55,7 @@ def run(rep: Report, workdir: str) -> str:
     import torch
 
     from graphcp import Engine
-    from graphcp.models import read_model_config
+    from graphcp.checkpoint.config import read_model_config
     path = checkpoint(rep, workdir)
     vocab = read_model_config(path).vocab_size
     reps = 1 if rep.dry_run else 5          # a dry run's latencies mean nothing: time it once

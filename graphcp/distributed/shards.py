@@ -1,0 +1,50 @@
+"""What each rank holds, by arithmetic on the flags alone: tensor-parallel slices (``TPInfo``,
+``shard_range``), experts (``EPInfo``), even splits and pipeline stages. Pure: no process group."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+
+def shard_range(total: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """Rank's [start, end) of ``total`` rows, split in whole ``unit``s; the last shard may be shorter."""
+    units = total // unit
+    per = -(-units // size)
+    start = min(units, rank * per)
+    return start * unit, min(units, start + per) * unit
+
+
+def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index``'s [start, end) of ``total`` items in ``parts`` contiguous parts as even as
+    possible, the first ``total % parts`` one longer (10 over 4: 3, 3, 2, 2; 6 over 4: 2, 2, 1,
+    1)."""
+    per, longer = divmod(total, parts)
+    start = index * per + min(index, longer)
+    return start, start + per + (index < longer)
+
+
+def pipeline_stage(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """Stage ``pp_rank``'s [start, end) of the layers, as SGLang (and vLLM) place them: even, the
+    remainder one layer each on the stages before the last, counted back from the second-to-last
+    (the last stage also runs the final norm and the LM head). 10 over 4: 2, 3, 3, 2."""
+    sizes = [num_layers // pp_size] * pp_size
+    for stage in range(num_layers % pp_size):
+        sizes[-2 - stage] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+@dataclass(frozen=True)
+class EPInfo:
+    """This rank's place for the experts: EP rank (which experts), expert-TP rank (which slice)."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_tp_size: int = 1
+    expert_tp_rank: int = 0
