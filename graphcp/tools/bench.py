@@ -61,8 +61,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON")
     parser.add_argument("--plot", default=None, help="also draw the results into this PNG file")
     parser.add_argument("--adaptive", action="store_true",
-                        help="instead of the cases: static zigzag vs adaptive CP vs unsharded on an all-short and a "
-                             "mixed batch, side by side at the run's CP size (default CP 2)")
+                        help="instead of the cases: adaptive CP beside split-everything, keep-whole, static zigzag "
+                             "and unsharded on all-short, mixed and lone batches (default CP 2)")
     parser.add_argument("--scale", action="store_true",
                         help="instead of the cases: one request at 1K to 64K tokens (128K with --long) at CP 1, 2 "
                              "and 4 beside HF, with a log-log plot (flags: graphcp bench --scale --help)")
