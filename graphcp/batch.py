@@ -87,11 +87,12 @@ def _checked(requests: Sequence[Request]) -> tuple[list[str], list[torch.Tensor]
 
 
 def validate_requests(requests: Sequence[Request], vocab_size: int, into: torch.Tensor | None = None
-                      ) -> tuple[list[str], list[torch.Tensor], list[int], torch.Tensor]:
+                      ) -> tuple[list[str], list[torch.Tensor], list[int], torch.Tensor, bool]:
     """Check a batch before anything is written; raise RequestError naming the first bad request.
-    Returns the rids, each request's ids and length, and all ids concatenated (the descriptors copy
-    that). ``into``: a host int64 buffer the concatenation is written to when it fits (the graphs'
-    staging ids, so their fill copies nothing; it holds no state between batches)."""
+    Returns the rids, each request's ids and length, all ids concatenated (the descriptors copy
+    that), and whether that concatenation is in ``into``: a host int64 buffer it is written to when
+    it fits (the graphs' staging ids, so their fill copies nothing; it holds no state between
+    batches)."""
     if not isinstance(requests, (list, tuple)) or not requests:
         raise RequestError("empty batch: prefill needs at least one Request")
     # The serving path first: Requests holding int64 tensors, taken as they are (types checked by
@@ -110,19 +111,20 @@ def validate_requests(requests: Sequence[Request], vocab_size: int, into: torch.
         seen: set[str] = set()
         rid = next(r for r in rids if r in seen or seen.add(r))
         raise RequestError(f"request {rid!r} appears twice in one batch")
+    staged = False
     try:
         total = sum(lens)
         if len(ids) == 1:
             every = ids[0]
         elif into is not None and total <= into.numel():
-            every = torch.cat(ids, out=into[:total])
+            every, staged = torch.cat(ids, out=into[:total]), True
         else:
             every = torch.cat(ids)
     except RuntimeError:            # tensors on different devices
         every = None
     if every is None or every.dim() != 1 or every.device.type != "cpu" or every.requires_grad:
         ids = [_token_tensor(rid, t) for rid, t in zip(rids, ids)]
-        every = torch.cat(ids)
+        every, staged = torch.cat(ids), False
     # One range check for the whole batch; the per-request search runs only when it fails.
     lo, hi = torch.aminmax(every)
     if int(lo) < 0 or int(hi) >= vocab_size:
@@ -132,4 +134,4 @@ def validate_requests(requests: Sequence[Request], vocab_size: int, into: torch.
                 bad = lo if lo < 0 else hi
                 raise RequestError(f"request {rid!r}: token id {bad} is outside the vocabulary "
                                    f"[0, {vocab_size})")
-    return rids, ids, lens, every
+    return rids, ids, lens, every, staged

@@ -25,6 +25,7 @@ class BatchInputs:
     flat_ids: torch.Tensor | None = None  # ``ids`` concatenated already (one copy instead of a cat)
     state_in: list[int] | None = None     # per-request state slot each request reads (0: none)
     state_out: list[int] | None = None    # the slot its new state is written to (kv/pages.py)
+    ids_staged: bool = False              # flat_ids are the graphs' staging ids already (no copy)
 
 
 @dataclass
@@ -57,16 +58,22 @@ class Descriptors:
         desc.set(batch)
         return desc
 
-    def set(self, batch: BatchInputs) -> None:
+    def set(self, batch: BatchInputs, staging: bool = False) -> None:
+        """``staging``: these are the graphs' staging descriptors, where validation may have
+        concatenated the batch's ids already (``batch.ids_staged``)."""
+        in_place = staging and batch.ids_staged
         self.fill(batch.extend_lens, batch.prefix_lens, batch.page_rows, batch.ids, batch.whole_on,
-                  batch.flat_ids, (batch.state_in, batch.state_out))
+                  None if in_place else batch.flat_ids, (batch.state_in, batch.state_out),
+                  ids_given=in_place)
 
     def fill(self, extend_lens: list[int], prefix_lens: list[int], page_rows: list[list[int]],
              ids: list[torch.Tensor], whole_on: list[int] | None = None,
              flat_ids: torch.Tensor | None = None,
-             states: tuple[list[int] | None, list[int] | None] = (None, None)) -> None:
+             states: tuple[list[int] | None, list[int] | None] = (None, None),
+             ids_given: bool = False) -> None:
         """Host side: write a batch in (the rest is zeroed, so unused rows are empty padding requests).
-        No per-request tensor ops: the lengths and the ragged page rows go in through numpy."""
+        No per-request tensor ops: the lengths and the ragged page rows go in through numpy.
+        ``ids_given``: the ids are in ``input_ids`` already."""
         if self._views is None:
             table, packed, ids_view = self.page_table.numpy(), self.packed.numpy(), self.input_ids.numpy()
             self._views = (packed, table, ids_view, np.arange(table.shape[1]),
@@ -87,9 +94,10 @@ class Descriptors:
         else:
             widths = np.fromiter(map(len, page_rows), dtype=np.int64, count=m)
             table[:m][columns < widths[:, None]] = np.concatenate(page_rows)
-        if flat_ids is not None:
-            if flat_ids.data_ptr() != self.input_ids.data_ptr():   # else validation wrote them here
-                np.copyto(ids_view[:flat_ids.numel()], flat_ids.numpy())
+        if ids_given:
+            pass
+        elif flat_ids is not None:
+            np.copyto(ids_view[:flat_ids.numel()], flat_ids.numpy())
         else:
             torch.cat(ids, out=self.input_ids[:sum(t.numel() for t in ids)])
 

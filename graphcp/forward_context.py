@@ -6,6 +6,7 @@ communication, KV cache writes and the kernel. Models never see layouts, ranks o
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import torch
@@ -61,39 +62,48 @@ class _LocalExperts:
         return experts(x, ids, weights)
 
 
-_current: AttentionOp | None = None
-_communicator: Communicator = _SameLayout()
-_moe: MoECommunicator = _LocalExperts()
-_valid_rows: torch.Tensor | None = None
+@dataclass(frozen=True)
+class ForwardContext:
+    """One forward's state that layers read: the attention op, the layer communicator, the MoE
+    token flow and the mask of real rows."""
+    attention: AttentionOp
+    communicator: Communicator
+    moe: MoECommunicator
+    valid_rows: torch.Tensor | None = None
+
+
+_active: ForwardContext | None = None
 
 
 @contextlib.contextmanager
 def forward_context(attention: AttentionOp, communicator: Communicator | None = None,
                     moe: MoECommunicator | None = None, valid_rows: torch.Tensor | None = None) -> Iterator[None]:
-    """``valid_rows`` [rows]: 1 for this rank's real tokens, 0 for padding (token flows skip padding)."""
-    global _current, _communicator, _moe, _valid_rows
-    previous = (_current, _communicator, _moe, _valid_rows)
-    _current, _communicator = attention, communicator or _SameLayout()
-    _moe, _valid_rows = moe or _LocalExperts(), valid_rows
+    """Set for one forward (the runner's); forwards do not nest, so a second one is an error rather
+    than a silent override. ``valid_rows`` [rows]: 1 for this rank's real tokens, 0 for padding
+    (token flows skip padding)."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("graphcp.forward_context is already active: one forward at a time")
+    _active = ForwardContext(attention, communicator or _SameLayout(), moe or _LocalExperts(), valid_rows)
     try:
         yield
     finally:
-        _current, _communicator, _moe, _valid_rows = previous
+        _active = None
 
 
 def current_moe_communicator() -> MoECommunicator:
-    return _moe
+    return _active.moe if _active is not None else _LocalExperts()
 
 
 def current_valid_rows() -> torch.Tensor | None:
-    return _valid_rows
+    return _active.valid_rows if _active is not None else None
 
 
 def current_communicator() -> Communicator:
-    return _communicator
+    return _active.communicator if _active is not None else _SameLayout()
 
 
 def current_attention() -> AttentionOp:
-    if _current is None:
+    if _active is None:
         raise RuntimeError("model forward called outside graphcp.forward_context")
-    return _current
+    return _active.attention

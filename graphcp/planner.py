@@ -57,6 +57,7 @@ class BatchPlan:
     all_rids: list[str] = field(default_factory=list)
     all_extend_lens: list[int] = field(default_factory=list)
     flat_ids: torch.Tensor | None = None   # ``ids`` concatenated, when validation made it already
+    ids_staged: bool = False               # flat_ids is the graphs' staging ids already
 
     @property
     def strategy(self) -> ContextParallelStrategy:
@@ -82,7 +83,7 @@ class BatchPlan:
             return BatchInputs([0], [0], [[]], [torch.zeros(0, dtype=torch.long)])
         state_in, state_out = state_rows or (None, None)
         return BatchInputs(self.extend_lens, self.prefix_lens, page_rows, self.ids, self.layout.whole_on,
-                           self.flat_ids, state_in, state_out)
+                           self.flat_ids, state_in, state_out, self.ids_staged)
 
 
 @dataclass
@@ -94,12 +95,15 @@ class PageTransaction:
 class Planner:
     def __init__(self, strategy: ContextParallelStrategy, cp_size: int, dp_size: int, dp_rank: int,
                  vocab_size: int, num_pages: int, page_size: int, max_context: int,
-                 max_batch_requests: int, cp_rank: int = 0, state_slots: int = 0) -> None:
+                 max_batch_requests: int, cp_rank: int = 0, state_slots: int = 0,
+                 ids_buffer: torch.Tensor | None = None) -> None:
+        """``ids_buffer``: the graphs' staging ids, where validation concatenates a batch's ids (their
+        fill then copies nothing)."""
         self.strategy, self.cp_size, self.dp_rank, self.cp_rank = strategy, cp_size, dp_rank, cp_rank
         self.vocab_size, self.max_batch_requests = vocab_size, max_batch_requests
         self.dp_pages = [PageTable(num_pages, page_size, max_context, state_slots) for _ in range(dp_size)]
         self.pages = self.dp_pages[dp_rank]
-        self.ids_buffer: torch.Tensor | None = None   # the graphs' staging ids (see validate_requests)
+        self.ids_buffer = ids_buffer
 
     # -- decisions -------------------------------------------------------------------------------
     def assign_dp(self, rids: list[str], extend_lens: list[int]) -> list[int]:
@@ -120,7 +124,7 @@ class Planner:
         """Validate and place a batch; raises RequestError (changing nothing) when it cannot run."""
         single = len(self.dp_pages) == 1
         into = self.ids_buffer if single else None     # DP: a group's ids are a subset
-        all_rids, all_ids, all_ext, flat = validate_requests(requests, self.vocab_size, into)
+        all_rids, all_ids, all_ext, flat, staged = validate_requests(requests, self.vocab_size, into)
         if single:
             groups, prefix = [0] * len(all_rids), self.pages.check(all_rids, all_ext)
             indices, rids, ids, ext = list(range(len(all_rids))), all_rids, all_ids, all_ext
@@ -132,7 +136,7 @@ class Planner:
             indices = [i for i, d in enumerate(groups) if d == self.dp_rank]
             rids, ids = [all_rids[i] for i in indices], [all_ids[i] for i in indices]
             ext = [all_ext[i] for i in indices]
-            flat = None               # this group's ids are a subset: the descriptors concatenate them
+            flat, staged = None, False    # this group's ids are a subset: the descriptors concatenate
             prefix = [self.pages.prefix_len(r) for r in rids]
         layout = self.strategy.layout(ext, prefix, self.cp_rank)
         # Every DP group pads to the widest group's rows: the FFN layout gathers equal blocks from all.
@@ -154,7 +158,8 @@ class Planner:
             else:
                 real = max(layout.per_rank_tokens)
                 bucket, reason = select_bucket(list(buckets), real, layout.strategy.aligned(real), failures)
-        return BatchPlan(rids, ids, ext, prefix, layout, bucket, reason, indices, groups, all_rids, all_ext, flat)
+        return BatchPlan(rids, ids, ext, prefix, layout, bucket, reason, indices, groups, all_rids, all_ext,
+                         flat, staged)
 
     # -- pages -----------------------------------------------------------------------------------
     def allocate(self, plan: BatchPlan) -> PageTransaction:

@@ -29,9 +29,10 @@ from graphcp.forward_context import forward_context
 from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.protocol import GraphCaptureError, capture_active
 from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
-from graphcp.kernels.registry import chosen
+from graphcp.kernels.registry import KernelChoices
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
+from graphcp.kv.pages import pages_per_request
 from graphcp.memory import graph_reserve
 from graphcp.models.common.quantized import probe_gemm
 from graphcp.checkpoint.loader import load_model
@@ -52,49 +53,65 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_config = cfg = check_model_flags(args)
         self.par = par = RankParallel.build(args, rank, cfg, self.device)
-        self.strategy: ContextParallelStrategy = make_strategy(args.resolved_cp_strategy, args.cp_size)
         self.aux = AuxHidden(args.speculative_aux_hidden_layers or (), cfg.hidden_size, par.layers)
         self.model = load_model(args.model_path, self.dtype, self.device, par.attn_tp, par.layers, par.ffn_tp,
                                 par.ep)
-        if self.device.type == "cuda":      # each Triton layer op checked once, eagerly, before any capture
-            probe_layer_ops(self.device, self.dtype)
-            probe_gemm(self.model, self.dtype)
-            probe_experts(self.model, self.dtype)
+        self.kernels = KernelChoices()      # the Triton layer ops this rank's model may run
+        if self.device.type == "cuda":      # each checked once, eagerly, before any capture
+            probe_layer_ops(self.kernels, self.device, self.dtype)
+            probe_gemm(self.kernels, self.model, self.dtype)
+            probe_experts(self.kernels, self.model, self.dtype)
+        layout = make_strategy(args.resolved_cp_strategy, args.cp_size)       # the flags' layout
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
-                                         self.strategy.bottom_right_causal)
+                                         layout.bottom_right_causal)
         # Only the logit rows of the last layer's output are read: it runs for them alone. Every
         # rank of a layer communicator then brings the same number of rows (one per request of the
         # one batch); DP groups' batches differ, and expert parallelism routes rows of its own.
         self.prune_last_layer = (par.last_stage and args.dp_size == 1 and par.moe_comm is None
                                  and self.model.prunes_last_layer())
-        write = chosen("kv_write") if self.device.type == "cuda" else None
+        write = self.kernels.get("kv_write")
         graph_buckets, latent = graph_reserve(args, cfg, self.device.type)
         cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
                           cfg.sliding_window, write, announce=rank == 0,
                           state_parts=self.attention.state_parts(), weight_bytes=self.weight_bytes,
                           graph_buckets=graph_buckets, latent=latent)
         self.pool, self.max_context = cache.pool, cache.max_context
+        # Adaptive CP: its threshold and weights measured by eager forwards, before the planner and
+        # the graphs are built on the strategy.
+        with self.kernels.active():
+            self.strategy: ContextParallelStrategy = (self._calibrated() if args.enable_adaptive_cp
+                                                      else layout)
+        self.graph_reason = config_ineligibility(args, args.resolved_backend(), self.attention.graph_reason)
+        buckets, inputs = self._graph_inputs() if self.graph_reason is None else ([], None)
         self.planner = Planner(self.strategy, args.cp_size, args.dp_size, par.me.dp_rank, cfg.vocab_size,
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,
-                               par.me.cp_rank, cache.state_slots)
+                               par.me.cp_rank, cache.state_slots,
+                               ids_buffer=inputs.staging.input_ids if inputs is not None else None)
         from graphcp.pd.sender import start_sender    # PD prefill mode: a Mooncake engine, the pool registered
         self.sender = start_sender(args, cfg, self.pool, par)
-        if args.enable_adaptive_cp:          # threshold and weights measured here, before any capture
-            from graphcp.calibrate import calibrate
-            with torch.inference_mode():
-                calibration = calibrate(self._time_forward, self._time_gather, par.average,
-                                        args.cp_size, self.max_context, args.adaptive_cp_threshold)
-            if rank == 0:
-                calibration.announce()
-            self.strategy = self.planner.strategy = calibration.strategy(args.cp_size)
-        self.graph_reason = config_ineligibility(args, args.resolved_backend(), self.attention.graph_reason)
         self.graphs: GraphRunner | None = None
-        if self.graph_reason is None:
-            self._capture(capture_progress and rank == 0)
+        if inputs is not None:
+            collective_breaks = args.world_size > 1 and torch.distributed.get_backend() != "nccl"
+            self.graphs = GraphRunner(self.forward, inputs, self.device, par.all_ranks_agree,
+                                      collective_breaks)
+            with torch.inference_mode(), self.kernels.active():
+                self.graphs.capture_all(buckets, self._capture_batch,
+                                        progress=capture_progress and rank == 0)
+
+    @torch.inference_mode()
+    def _calibrated(self) -> ContextParallelStrategy:
+        """Adaptive CP's strategy, its cost model and threshold measured on this rank's forward."""
+        from graphcp.calibrate import calibrate
+        args = self.args
+        calibration = calibrate(self._time_forward, self._time_gather, self.par.average, args.cp_size,
+                                self.max_context, args.adaptive_cp_threshold)
+        if self.rank == 0:
+            calibration.announce()
+        return calibration.strategy(args.cp_size)
 
     # -- graphs ----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _capture(self, progress: bool) -> None:
+    def _graph_inputs(self) -> tuple[list[int], GraphInputs]:
+        """The buckets to capture and the graphs' static inputs, sized for the largest."""
         args = self.args
         if args.capture_plan:
             from graphcp.capture_plan import load_plan_buckets
@@ -102,13 +119,11 @@ class ModelRunner:
         else:
             buckets = list(args.cuda_graph_buckets or DEFAULT_BUCKETS[self.device.type])
         buckets = sorted({self.strategy.aligned(b) for b in buckets})    # buffers are multiples of align
-        ids_cap = self.strategy.cp_size * max(buckets)
-        inputs = GraphInputs.allocate(args.max_batch_requests, self.planner.pages.max_pages_per_request, ids_cap,
-                                      self.model_config.vocab_size, self.aux.width, self.dtype, self.device)
-        self.planner.ids_buffer = inputs.staging.input_ids     # validation concatenates the ids there
-        collective_breaks = args.world_size > 1 and torch.distributed.get_backend() != "nccl"
-        self.graphs = GraphRunner(self.forward, inputs, self.device, self.par.all_ranks_agree, collective_breaks)
-        self.graphs.capture_all(buckets, self._capture_batch, progress=progress)
+        inputs = GraphInputs.allocate(args.max_batch_requests,
+                                      pages_per_request(self.max_context, args.page_size),
+                                      self.strategy.cp_size * max(buckets), self.model_config.vocab_size,
+                                      self.aux.width, self.dtype, self.device)
+        return buckets, inputs
 
     def _capture_batch(self, bucket: int, seed: int) -> tuple[BatchInputs, BatchLayout]:
         """A random batch that fills ``bucket``; its pages are all the dummy page, so no real KV is touched."""
@@ -224,7 +239,8 @@ class ModelRunner:
             with nvtx_range("prefill"):
                 # A DP group without requests still joins the FFN and MoE collectives when there are any.
                 run = plan.rids or self.par.communicator is not None or self.par.moe_comm is not None
-                logits, aux, host_ops = self._run(plan, count_ops) if run else (None, None, 0)
+                with self.kernels.active():
+                    logits, aux, host_ops = self._run(plan, count_ops) if run else (None, None, 0)
             if logits is not None:
                 logits = logits.to("cpu", torch.float32, copy=True)  # never alias the static output buffer
             if aux is not None:

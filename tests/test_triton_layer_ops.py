@@ -90,19 +90,26 @@ def test_lookup():
 
 def test_first_use_check_falls_back_to_the_torch_form(monkeypatch, caplog):
     """A Triton layer op that raises or disagrees at its start-up check is replaced by the torch form,
-    with a warning; one that agrees is kept and not checked again."""
-    monkeypatch.setattr(registry, "_CHOSEN", {})
+    with a warning; one that agrees is kept and not checked again. The choices are the rank's own
+    (``KernelChoices``): ``chosen`` sees them only while they are active."""
+    choices = registry.KernelChoices()
     x = torch.randn(4, 8)
     torch_call = lambda: x * 2  # noqa: E731
 
     def raising(fn):
         raise RuntimeError("no kernel image\nmore")
 
-    assert not registry.probe_op("rope", raising, torch_call, torch.float32)
-    assert registry.chosen("rope") is None and "failed its first call (RuntimeError: no kernel image)" in caplog.text
-    assert not registry.probe_op("rms_norm", lambda fn: (x * 3, x), lambda: (x * 2, x), torch.float32)
-    assert registry.chosen("rms_norm") is None and "disagrees with the torch form" in caplog.text
+    assert not choices.probe("rope", raising, torch_call, torch.float32)
+    assert choices.get("rope") is None and "failed its first call (RuntimeError: no kernel image)" in caplog.text
+    assert not choices.probe("rms_norm", lambda fn: (x * 3, x), lambda: (x * 2, x), torch.float32)
+    assert choices.get("rms_norm") is None and "disagrees with the torch form" in caplog.text
     calls = []
-    assert registry.probe_op("rope", lambda fn: calls.append(fn) or x * 2, torch_call, torch.float32)
-    assert registry.chosen("rope") is triton_rope and calls == [triton_rope]
-    assert registry.chosen("rope") is triton_rope and calls == [triton_rope]      # not checked again
+    assert choices.probe("rope", lambda fn: calls.append(fn) or x * 2, torch_call, torch.float32)
+    assert registry.chosen("rope") is None                      # not active: the torch form
+    with choices.active():
+        assert registry.chosen("rope") is triton_rope and calls == [triton_rope]
+        assert registry.chosen("rope") is triton_rope and calls == [triton_rope]   # not checked again
+        with pytest.raises(RuntimeError, match="another rank's kernel choices"):
+            with registry.KernelChoices().active():
+                pass
+    assert registry.chosen("rope") is None

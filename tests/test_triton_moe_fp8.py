@@ -156,7 +156,7 @@ def test_grouped_gemm_padding_rows_and_tiles():
 
 
 def test_start_up_check_keeps_the_kernel_and_drops_a_wrong_one(monkeypatch):
-    """The registry's ``moe_experts_fp8`` op under the engine's start-up check (``probe_op``; here
+    """The registry's ``moe_experts_fp8`` op under the engine's start-up check (``KernelChoices``; here
     on CPU tensors in the interpreter): against ``experts_fp8_torch`` the kernel is kept in fp32 and
     bf16 and a kernel 1% off is dropped. The dequantized form without the activations' rounding is
     no oracle for it: in fp32 it would drop the right kernel."""
@@ -164,15 +164,15 @@ def test_start_up_check_keeps_the_kernel_and_drops_a_wrong_one(monkeypatch):
     gate_up, down, (dense_gu, dense_d) = _experts(2, 40, 48, 8, 40, gen)
     x = torch.randn(9, 40, generator=gen)
     ids, weights = torch.randint(0, 4, (9, 2), generator=gen), torch.rand(9, 2, generator=gen)
-    monkeypatch.setattr(registry, "_CHOSEN", {})
+    choices = registry.KernelChoices()
 
     def check(dtype: torch.dtype, reference=moe_torch.experts_fp8_torch) -> bool:  # noqa: ANN001
         args = (x.to(dtype), ids, weights.to(dtype))
-        return registry.probe_op("moe_experts_fp8", lambda fn: fn(*args, gate_up, down, 2),
-                                 lambda: reference(*args, gate_up, down, 2), dtype)
+        return choices.probe("moe_experts_fp8", lambda fn: fn(*args, gate_up, down, 2),
+                             lambda: reference(*args, gate_up, down, 2), dtype)
 
     for dtype in (torch.float32, torch.bfloat16):
-        assert check(dtype) and registry.chosen("moe_experts_fp8") is triton_moe.triton_experts_fp8
+        assert check(dtype) and choices.get("moe_experts_fp8") is triton_moe.triton_experts_fp8
     def dequantized(*args):  # noqa: ANN002, ANN202
         return moe_torch.dense_experts_torch(*args[:3], dense_gu, dense_d, 2)
 
@@ -182,4 +182,4 @@ def test_start_up_check_keeps_the_kernel_and_drops_a_wrong_one(monkeypatch):
         return triton_moe.triton_experts_fp8(*args) * 1.01
 
     monkeypatch.setattr(triton_moe, "triton_experts_fp8", wrong)
-    assert not check(torch.float32) and registry.chosen("moe_experts_fp8") is None
+    assert not check(torch.float32) and choices.get("moe_experts_fp8") is None

@@ -37,7 +37,7 @@ class GraphInputs:
     def set_batch(self, batch: BatchInputs) -> None:
         """Write a batch into the staging copy (host work), then copy it in (one host-to-device copy)."""
         with paused(active_counter()):         # filling host memory launches nothing on the device
-            self.staging.set(batch)
+            self.staging.set(batch, staging=True)
         self.static.packed.copy_(self.staging.packed, non_blocking=True)
 
     def tensors(self) -> list[torch.Tensor]:

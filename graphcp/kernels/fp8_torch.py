@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from graphcp.kernels.fp8_types import FP8, FP8_MAX, Fp8Experts, Fp8Weight
-from graphcp.kernels.registry import chosen, probe_op
+from graphcp.kernels.registry import KernelChoices, chosen
 
 
 def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +56,7 @@ def gemm_available(device: torch.device, block: tuple[int, int]) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9) and k >= 16 and k & (k - 1) == 0
 
 
-def probe_gemm(weight: Fp8Weight | None, dtype: torch.dtype) -> None:
+def probe_gemm(choices: KernelChoices, weight: Fp8Weight | None, dtype: torch.dtype) -> None:
     """At engine start, eagerly: the Triton GEMM once on one of the model's FP8 weights against its
     torch form; one that fails or disagrees is replaced by the dequantizing form with a warning.
     Where the GEMM cannot run at all, the dequantizing form serves without a check."""
@@ -66,7 +66,7 @@ def probe_gemm(weight: Fp8Weight | None, dtype: torch.dtype) -> None:
         return
     x = torch.randn(5, weight.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
         weight.weight.device, dtype)
-    probe_op("fp8_gemm", lambda fn: fn(x, weight), lambda: fp8_linear_torch(x, weight), dtype)
+    choices.probe("fp8_gemm", lambda fn: fn(x, weight), lambda: fp8_linear_torch(x, weight), dtype)
 
 
 def quantize_activations(

@@ -4,18 +4,19 @@ A ``KernelSpec`` names an op (``attention``, ``kv_write``, ``dsa``, ``rms_norm``
 ``fp8_gemm``, ``moe_experts``, ``moe_experts_fp8``), an implementation, where its function lives
 (imported on first use, so the engine runs where Triton or flashinfer is absent), whether a CUDA
 graph can hold it, and what it cannot serve. ``check`` is the one start-up test of a compiled kernel
-against its torch form (one tolerance table); ``probe_op``/``chosen`` the table of layer ops whose
-Triton form passed its check (models only ask ``chosen``). The choices themselves, with each
+against its torch form (one tolerance table); ``KernelChoices`` the layer ops whose Triton form
+passed its check on a rank (the runner owns it; models only ask ``chosen``). The choices themselves, with each
 kernel's check inputs, are in ``kernels/resolve.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import register_dataclass
@@ -176,29 +177,55 @@ def use_triton_interpreter() -> None:
 
 
 # -- layer ops whose Triton form passed its check ------------------------------------------------------
-_CHOSEN: dict[str, Callable | None] = {}
+class KernelChoices:
+    """The Triton forms of layer ops that passed their start-up check on one rank. The runner owns
+    one, probes into it at start, and makes it active (``active``) around everything that runs the
+    model (eager forwards, graph capture and replay, calibration); layers ask ``chosen``."""
 
+    def __init__(self) -> None:
+        self.fns: dict[str, Callable | None] = {}
 
-def probe_op(op: str, run: Callable[[Callable], Any], reference: Callable[[], Any], dtype: torch.dtype) -> bool:
-    """Check the Triton form of layer op ``op`` once (at engine start, eagerly, before any capture); it
-    serves from then on only if it agrees, else one warning says why and the torch form serves."""
-    spec = LAYER_KERNELS[op]
-    reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype))
-    fn = None
-    if reason is None:
-        try:
-            fn = spec.fn
-        except ImportError as e:
-            reason = f"cannot be imported ({e})"
-    if reason is None:
-        reason = check(lambda: run(fn), reference, dtype)
-    if reason is not None:
-        log.warning("graphcp: the Triton %s %s; using the torch form", op, reason)
+    def probe(self, op: str, run: Callable[[Callable], Any], reference: Callable[[], Any],
+              dtype: torch.dtype) -> bool:
+        """Check the Triton form of layer op ``op`` once (at engine start, eagerly, before any
+        capture); it serves from then on only if it agrees, else one warning says why and the torch
+        form serves."""
+        spec = LAYER_KERNELS[op]
+        reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype))
         fn = None
-    _CHOSEN[op] = fn
-    return fn is not None
+        if reason is None:
+            try:
+                fn = spec.fn
+            except ImportError as e:
+                reason = f"cannot be imported ({e})"
+        if reason is None:
+            reason = check(lambda: run(fn), reference, dtype)
+        if reason is not None:
+            log.warning("graphcp: the Triton %s %s; using the torch form", op, reason)
+            fn = None
+        self.fns[op] = fn
+        return fn is not None
+
+    def get(self, op: str) -> Callable | None:
+        return self.fns.get(op)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """These choices serve ``chosen`` inside the block; blocks do not nest (one rank runs one
+        model at a time)."""
+        global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE is not self:
+            raise RuntimeError("another rank's kernel choices are active in this process")
+        outer, _ACTIVE = _ACTIVE, self
+        try:
+            yield
+        finally:
+            _ACTIVE = outer
+
+
+_ACTIVE: KernelChoices | None = None
 
 
 def chosen(op: str) -> Callable | None:
-    """The Triton form of ``op`` once its start-up check accepted it; None: use the torch form."""
-    return _CHOSEN.get(op)
+    """The Triton form of ``op`` if the active choices accepted it; None: use the torch form."""
+    return _ACTIVE.get(op) if _ACTIVE is not None else None

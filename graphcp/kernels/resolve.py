@@ -12,7 +12,8 @@ import torch
 
 from graphcp.kernels import dsa_torch
 from graphcp.errors import ConfigError
-from graphcp.kernels.registry import KERNELS, KernelContext, KernelSpec, check, probe_op, triton_unusable
+from graphcp.kernels.registry import (KERNELS, KernelChoices, KernelContext, KernelSpec, check,
+                                      triton_unusable)
 from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
 from graphcp.kernels.torch_ref import torch_paged_attention
 
@@ -47,15 +48,15 @@ def check_attention(kernel, ctx: KernelContext) -> str | None:  # noqa: ANN001 -
                  "the torch kernel")
 
 
-def probe_layer_ops(device: torch.device, dtype: torch.dtype) -> None:
+def probe_layer_ops(choices: KernelChoices, device: torch.device, dtype: torch.dtype) -> None:
     """The Triton RMSNorm (residual form), RoPE (strided q/k heads, as the fused qkv output gives) and KV
     write (scattered slots), each once against its torch form; eagerly, at start, on CUDA."""
     gen = torch.Generator().manual_seed(0)
     x, res, w = (_rand(gen, device, dtype, *s) for s in ((7, 96), (7, 96), (96,)))
-    probe_op("rms_norm", lambda fn: fn(x, w, 1e-6, res), lambda: (rms_norm_torch(res + x, w, 1e-6), res + x), dtype)
+    choices.probe("rms_norm", lambda fn: fn(x, w, 1e-6, res), lambda: (rms_norm_torch(res + x, w, 1e-6), res + x), dtype)
     qkv, cos, sin = (_rand(gen, device, dtype, *s) for s in ((7, 6, 64), (7, 64), (7, 64)))
     q = qkv[:, :4]
-    probe_op("rope", lambda fn: fn(q, cos, sin), lambda: rope_torch(q, cos[:, None], sin[:, None]), dtype)
+    choices.probe("rope", lambda fn: fn(q, cos, sin), lambda: rope_torch(q, cos[:, None], sin[:, None]), dtype)
     rows = [_rand(gen, device, dtype, 5, 2, 64) for _ in range(2)]
     slots = torch.tensor([9, 0, 31, 4, 17], device=device)
 
@@ -68,7 +69,7 @@ def probe_layer_ops(device: torch.device, dtype: torch.dtype) -> None:
             fn(*pools, slots, *rows)
         return tuple(pools)
 
-    probe_op("kv_write", write, lambda: write(None), dtype)
+    choices.probe("kv_write", write, lambda: write(None), dtype)
 
 
 def _dsa_errors(kernels: ModuleType, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -32,6 +32,11 @@ class RequestKV:
     next_state_slot: int = 0     # where the batch in flight writes it (0: no batch in flight)
 
 
+def pages_per_request(max_context: int, page_size: int) -> int:
+    """Pages of the longest request: the width of every page-table row."""
+    return -(-max_context // page_size)
+
+
 class PageTable:
     """Owns the free pages (page 0 is reserved for the dummy slot) and each rid's pages."""
 
@@ -54,7 +59,7 @@ class PageTable:
 
     @property
     def max_pages_per_request(self) -> int:
-        return -(-self.max_context // self.page_size)
+        return pages_per_request(self.max_context, self.page_size)
 
     @property
     def tokens_total(self) -> int:

@@ -11,6 +11,7 @@ import torch
 from graphcp.batch import Request
 from graphcp.cp.strategy import make_strategy
 from graphcp.forward_batch import Descriptors
+from graphcp.kv.pages import pages_per_request
 from graphcp.planner import Planner
 
 
@@ -20,10 +21,11 @@ def measure_host_prep(requests: int = 32, length: int = 1024, cp: int = 8, reps:
     ids given as tensors (the serving path) and as Python lists."""
     strategy = make_strategy("zigzag", cp)
     pages = requests * (-(-length // page_size)) + 1
-    planner = Planner(strategy, cp, 1, 0, vocab, pages + 1, page_size, length, requests)
     buckets = [strategy.aligned(b) for b in (256, 512, 1024, 2048, 4096, 8192)]
-    staging = Descriptors.allocate(requests, planner.pages.max_pages_per_request, cp * max(buckets))
-    planner.ids_buffer = staging.input_ids            # as the runner wires its graphs' staging
+    staging = Descriptors.allocate(requests, pages_per_request(length, page_size), cp * max(buckets))
+    # validation writes the ids into the graphs' staging, as the runner wires it
+    planner = Planner(strategy, cp, 1, 0, vocab, pages + 1, page_size, length, requests,
+                      ids_buffer=staging.input_ids)
     ids = [torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(i)) for i in range(requests)]
     out = {"case": f"{requests}x{length} at CP {cp}"}
     for kind, batch in (("tensor", [Request(f"r{i}", t) for i, t in enumerate(ids)]),
@@ -36,7 +38,7 @@ def measure_host_prep(requests: int = 32, length: int = 1024, cp: int = 8, reps:
             txn = planner.allocate(plan)
             t2 = time.perf_counter()
             host = plan.layout.host
-            staging.set(plan.inputs(planner.pages.rows(plan.rids)))
+            staging.set(plan.inputs(planner.pages.rows(plan.rids)), staging=True)
             t3 = time.perf_counter()
             planner.rollback(txn)
             plan_us.append((t1 - t0) * 1e6)

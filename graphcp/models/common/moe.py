@@ -18,7 +18,7 @@ from graphcp.kernels.fp8_torch import dequantize_expert, gemm_available
 from graphcp.kernels.fp8_types import FP8, Fp8Experts
 from graphcp.kernels.moe_torch import (dense_experts_torch, experts_fp8_torch, experts_torch,
                                        silu_and_mul)
-from graphcp.kernels.registry import chosen, probe_op
+from graphcp.kernels.registry import KernelChoices, chosen
 from graphcp.models.config import ModelConfig
 from graphcp.models.common.quantized import block_rows, scale_name, scale_shard
 from graphcp.distributed.shards import EPInfo, shard_range
@@ -85,7 +85,7 @@ class Experts(nn.Module):
             return self.gate_up_proj[e], self.down_proj[e]
         return tuple(dequantize_expert(w, e, dtype) for w in self.fp8)
 
-    def probe(self, dtype: torch.dtype) -> None:
+    def probe(self, choices: KernelChoices, dtype: torch.dtype) -> None:
         """At engine start, eagerly: the Triton grouped GEMM once against the torch form on random
         routing (activations in ``dtype``); one that fails or disagrees is replaced by the torch
         form with a warning."""
@@ -105,8 +105,8 @@ class Experts(nn.Module):
             op, parts, reference = "moe_experts_fp8", self.fp8, experts_fp8_torch
         else:       # no FP8 tensor cores: the dequantizing torch form serves, unchecked
             return
-        probe_op(op, lambda fn: fn(x, ids, weights, *parts, self.first),
-                 lambda: reference(x, ids, weights, *parts, self.first), dtype)
+        choices.probe(op, lambda fn: fn(x, ids, weights, *parts, self.first),
+                      lambda: reference(x, ids, weights, *parts, self.first), dtype)
 
     # -- loading ------------------------------------------------------------------------------
     def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple]:
@@ -206,8 +206,8 @@ class MoEBlock(nn.Module):
         return current_moe_communicator().run(x, self.gate, self.experts)
 
 
-def probe_experts(model: nn.Module, dtype: torch.dtype) -> None:
+def probe_experts(choices: KernelChoices, model: nn.Module, dtype: torch.dtype) -> None:
     """Check the Triton grouped GEMM once on the model's first expert module (CUDA, engine start)."""
     experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
     if experts is not None:
-        experts.probe(dtype)
+        experts.probe(choices, dtype)

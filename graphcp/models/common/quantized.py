@@ -14,6 +14,7 @@ from torch import nn
 
 from graphcp.kernels import fp8_torch
 from graphcp.kernels.fp8_types import FP8, Fp8Weight
+from graphcp.kernels.registry import KernelChoices
 
 
 def scale_name(weight_name: str) -> str:
@@ -165,5 +166,5 @@ def first_weight(model: nn.Module) -> Fp8Weight | None:
                 None)
 
 
-def probe_gemm(model: nn.Module, dtype: torch.dtype) -> None:
-    fp8_torch.probe_gemm(first_weight(model), dtype)
+def probe_gemm(choices: KernelChoices, model: nn.Module, dtype: torch.dtype) -> None:
+    fp8_torch.probe_gemm(choices, first_weight(model), dtype)
