@@ -5,7 +5,7 @@ TORCH   ?= torch==2.13.0
 # One stamp per torch spec: `make setup TORCH=torch` after a CPU setup installs again (a GPU's torch).
 STAMP   := $(VENV)/.graphcp-installed-$(subst =,_,$(subst $() ,_,$(TORCH)))
 
-.PHONY: setup sglang demo test test-fast bench profile soak gpu-check clean pd-system-libs
+.PHONY: setup sglang demo lint test test-fast bench profile soak gpu-check clean pd-system-libs
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory pd-system-libs
@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# SGLang's own decode-side classes, the reference tests/test_sglang_pd.py checks graphcp's PD protocol
+# SGLang's own decode-side classes, the reference tests/pd/test_sglang_pd.py checks graphcp's PD protocol
 # against. The version is the protocol: pinned. --no-deps: its metadata pins CUDA torch 2.14 and CUDA
 # packages; only its import closure is installed, torch kept at $(TORCH). Never torchvision: the tests
-# put a stub (tests/sglang_stubs) on the SGLang subprocess's path only.
+# put a stub (tests/scripts/sglang_stubs) on the SGLang subprocess's path only.
 SGLANG := sglang==0.5.23
 SGLANG_STAMP := $(VENV)/.sglang-installed
 SGLANG_DEPS := pyzmq aiohttp requests psutil msgspec orjson pybase64 packaging pillow starlette pydantic \
@@ -58,22 +58,27 @@ pd-system-libs:
 demo: $(STAMP)
 	$(PY) -m graphcp demo
 
+# The rules the code follows (pyproject.toml [tool.ruff]): pyflakes, pycodestyle, import order, no
+# noqa for a rule that is not enabled. CI runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check graphcp tests capture profiles
+
 test: $(STAMP) $(SGLANG_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 # For iteration (under 3 minutes): the unit tests, the layouts, and one single-rank engine per family
 # against HF. Run `make test` (the CI command) before you commit.
-FAST := tests/test_architecture.py tests/test_layout.py tests/test_planner.py tests/test_layer_split.py \
-	tests/test_rope.py tests/test_config_fields.py tests/test_config_fields_v4_hybrid.py \
-	tests/test_gpu_check.py tests/test_flashinfer_args.py \
-	tests/test_cuda_semantics.py tests/test_cpu_pool.py tests/test_host_metadata.py tests/test_rank_faults.py tests/test_parity_single.py tests/test_last_layer.py \
-	tests/test_errors.py \
-	tests/test_dsa.py::test_single_rank_matches_hf tests/test_moe.py::test_single_rank_matches_hf \
-	tests/test_mla.py::test_deepseek_v3_fp8_one_rank_in_graphs tests/test_deepseek_v4.py::test_chunked_batches_match_hf \
-	tests/test_hybrid_linear.py::test_hybrid_equals_hf_with_chunked_prefill
+FAST := tests/core/test_architecture.py tests/core/test_layout.py tests/core/test_planner.py tests/cp/test_layer_split.py \
+	tests/models/test_rope.py tests/models/test_config_fields.py tests/models/test_config_fields_v4_hybrid.py \
+	tests/kernels/test_gpu_check.py tests/kernels/test_flashinfer_args.py \
+	tests/core/test_cuda_semantics.py tests/core/test_cpu_pool.py tests/core/test_host_metadata.py tests/core/test_rank_faults.py tests/models/test_parity_single.py tests/cp/test_last_layer.py \
+	tests/core/test_errors.py \
+	tests/models/test_dsa.py::test_single_rank_matches_hf tests/models/test_moe.py::test_single_rank_matches_hf \
+	tests/models/test_mla.py::test_deepseek_v3_fp8_one_rank_in_graphs tests/models/test_deepseek_v4.py::test_chunked_batches_match_hf \
+	tests/models/test_hybrid_linear.py::test_hybrid_equals_hf_with_chunked_prefill
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(FAST) \
-	    --deselect tests/test_cuda_semantics.py::test_one_rank_capture_failure_keeps_collectives_matched
+	    --deselect tests/core/test_cuda_semantics.py::test_one_rank_capture_failure_keeps_collectives_matched
 
 bench: $(STAMP)
 	$(PY) -m graphcp bench

@@ -15,10 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from graphcp import ConfigError, Engine, EngineArgs, Request  # noqa: E402
-from graphcp.capture_plan import PLAN_VERSION, plan_config  # noqa: E402
-from graphcp.cp.strategy import ContextParallelStrategy, make_strategy  # noqa: E402
-from graphcp.checkpoint.config import read_model_config  # noqa: E402
+from graphcp import ConfigError, Engine, EngineArgs, Request
+from graphcp.capture_plan import PLAN_VERSION, plan_config
+from graphcp.checkpoint.config import read_model_config
+from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
 
 
 def batch_for_bucket(bucket: int, strategy: ContextParallelStrategy, req_cap: int, max_context: int,
@@ -32,18 +32,18 @@ def batch_for_bucket(bucket: int, strategy: ContextParallelStrategy, req_cap: in
     return [Request(f"warmup{i}", [rng.randrange(vocab) for _ in range(n)]) for i, n in enumerate(dummy[0])]
 
 
-def _once(engine: Engine, batch: list[Request], force_eager: bool = False):  # noqa: ANN202
+def _once(engine: Engine, batch: list[Request], force_eager: bool = False):
     out = engine.prefill(batch, force_eager=force_eager)
     for r in batch:
         engine.release(r.rid)
     return out
 
 
-def _rel(a, b) -> float:  # noqa: ANN001
+def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def eager_spread(engine: Engine, batch: list[Request], eager_logits, strategy: ContextParallelStrategy,  # noqa: ANN001
+def eager_spread(engine: Engine, batch: list[Request], eager_logits, strategy: ContextParallelStrategy,
                  vocab: int) -> float:
     """How much eager logits move when only the GEMM row count changes (one more request in the batch):
     the rounding noise of the dtype (bf16 GEMMs pick other tilings for other M), against which a replay

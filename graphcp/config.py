@@ -296,7 +296,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def check_model_fits(args: EngineArgs, cfg) -> None:  # noqa: ANN001 - a ModelConfig
+def check_model_fits(args: EngineArgs, cfg) -> None:
     """The flags that depend on the model, checked before any allocation."""
     atp = args.attn_tp_size
     if cfg.num_key_value_heads % atp:

@@ -19,8 +19,8 @@ from graphcp.batch import PrefillOutput, Request
 from graphcp.commands import execute, merge
 from graphcp.config import EngineArgs
 from graphcp.distributed.procs import child_env, free_port
-from graphcp.profiling import rss_bytes
 from graphcp.errors import DEAD, WIRE_KINDS, ConfigError, EngineDeadError, RequestError, TransferError
+from graphcp.profiling import rss_bytes
 
 log = logging.getLogger("graphcp")
 

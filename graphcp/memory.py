@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphcp.attention.kinds import cache_parts, layer_kinds, state_parts
+from graphcp.checkpoint.config import check_model_flags
+from graphcp.checkpoint.meta import checkpoint_tensors, rank_model, weight_bytes_by_dtype
 from graphcp.config import EngineArgs, resolve_dtype
 from graphcp.distributed.parallel import rank_shards
 from graphcp.errors import ConfigError
@@ -19,8 +21,6 @@ from graphcp.kv.sizing import GIB, PoolBudget, context_limit, default_mem_fracti
 from graphcp.kv.states import state_bytes
 from graphcp.models.config import ModelConfig
 from graphcp.models.registry import family_of
-from graphcp.checkpoint.config import check_model_flags
-from graphcp.checkpoint.meta import checkpoint_tensors, rank_model, weight_bytes_by_dtype
 from graphcp.planner import config_ineligibility
 
 MIN_REQUEST = 4096      # a pool below one request of this many tokens (or the context) does not fit

@@ -14,8 +14,7 @@ import torch
 
 from graphcp.batch import Request, validate_requests
 from graphcp.config import EngineArgs
-from graphcp.cp.strategy import BatchLayout
-from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
+from graphcp.cp.strategy import BatchLayout, ContextParallelStrategy, make_strategy
 from graphcp.errors import RequestError
 from graphcp.forward_batch import BatchInputs
 from graphcp.graph.runner import select_bucket

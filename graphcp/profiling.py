@@ -15,7 +15,6 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 try:
     import nvtx as _nvtx
 except ImportError:  # nvtx is a declared dependency; keep running if a stripped install lacks it
@@ -103,7 +102,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
 

@@ -17,10 +17,11 @@ import torch
 from graphcp import attention
 from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
+from graphcp.checkpoint.config import check_model_flags
+from graphcp.checkpoint.loader import load_model
 from graphcp.config import EngineArgs, resolve_dtype
 from graphcp.cp.metadata import last_tokens
-from graphcp.cp.strategy import BatchLayout
-from graphcp.cp.strategy import ContextParallelStrategy, make_strategy
+from graphcp.cp.strategy import BatchLayout, ContextParallelStrategy, make_strategy
 from graphcp.distributed.comm import recv, send
 from graphcp.distributed.parallel import RankParallel
 from graphcp.errors import ConfigError
@@ -34,10 +35,8 @@ from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
 from graphcp.kv.pages import pages_per_request
 from graphcp.memory import graph_reserve
-from graphcp.models.common.quantized import probe_gemm
-from graphcp.checkpoint.loader import load_model
-from graphcp.checkpoint.config import check_model_flags
 from graphcp.models.common.moe import probe_experts
+from graphcp.models.common.quantized import probe_gemm
 from graphcp.planner import BatchPlan, Planner, config_ineligibility
 from graphcp.profiling import count_host_ops, nvtx_range, peak_rss_bytes
 
@@ -87,7 +86,7 @@ class ModelRunner:
                                cache.num_pages, args.page_size, self.max_context, args.max_batch_requests,
                                par.me.cp_rank, cache.state_slots,
                                ids_buffer=inputs.staging.input_ids if inputs is not None else None)
-        from graphcp.pd.sender import start_sender    # PD prefill mode: a Mooncake engine, the pool registered
+        from graphcp.pd.sender import start_sender  # PD prefill mode: a Mooncake engine, the pool registered
         self.sender = start_sender(args, cfg, self.pool, par)
         self.graphs: GraphRunner | None = None
         if inputs is not None:

@@ -53,7 +53,7 @@ def worker_main(rank: int, world: int, args: EngineArgs, init_method: str, conn:
     try:
         init_group(args, rank, world, init_method)
         runner = ModelRunner(args, rank, rank_device(args, rank), capture_progress=rank == 0)
-    except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
+    except Exception as e:
         conn.send((wire_kind(e), str(e) if isinstance(e, ConfigError) else _describe(e)))
         return
     conn.send(("ready", runner.stats()))
@@ -82,7 +82,7 @@ def _serve(runner: "ModelRunner", rank: int, conn: Connection, parent_pid: int) 
             return
         try:
             conn.send(("ok", execute(runner, cmd, payload, over_ipc=True)))
-        except Exception as e:  # noqa: BLE001 - every error goes back to the engine, which raises it
+        except Exception as e:
             kind = wire_kind(e)
             conn.send((kind, str(e) if kind != FAULT else _describe(e)))
 

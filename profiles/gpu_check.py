@@ -69,8 +69,9 @@ def add_aims(rep: Report) -> None:
 
 
 def _versions(dry_run: bool) -> dict:
-    import torch
     from importlib.metadata import PackageNotFoundError, version
+
+    import torch
 
     def ver(name: str) -> str | None:
         try:

@@ -13,8 +13,15 @@ from typing import Iterator
 import torch
 
 from graphcp.graph.runner import DEFAULT_BUCKETS
-from graphcp.kernels import (triton_attention, triton_dsa, triton_fp8_gemm, triton_kv_write,
-                             triton_moe, triton_rmsnorm, triton_rope)
+from graphcp.kernels import (
+    triton_attention,
+    triton_dsa,
+    triton_fp8_gemm,
+    triton_kv_write,
+    triton_moe,
+    triton_rmsnorm,
+    triton_rope,
+)
 
 LADDER = DEFAULT_BUCKETS["cuda"]
 EAGER_ROWS = (16384, 65536)           # eager batches past the largest bucket

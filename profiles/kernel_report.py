@@ -21,21 +21,20 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "0"          # compile, not interpret: before triton is imported
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402

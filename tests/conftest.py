@@ -3,20 +3,18 @@ across tests (multi-rank engines are slow to start on two cores)."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The suite runs on CPU: Triton kernels run in its interpreter, which must be chosen before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.dirname(__file__))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+from testkit.hf_reference import HFReference, make_checkpoint
 
-from graphcp import Engine, EngineArgs  # noqa: E402
-from hf_reference import HFReference, make_checkpoint  # noqa: E402
+from graphcp import Engine, EngineArgs
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -92,9 +90,3 @@ def engines():
     pool = _Engines()
     yield pool
     pool.close()
-
-
-def cp_kwargs(cp: int, strategy: str = "zigzag", **extra) -> dict:
-    if cp == 1:
-        return dict(extra)
-    return dict(tp_size=cp, attn_cp_size=cp, enable_prefill_cp=True, cp_strategy=strategy, **extra)

@@ -12,8 +12,7 @@ import torch
 from graphcp.attention.context import AttentionContext, AttentionKernels
 from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds, state_parts
 from graphcp.config import EngineArgs
-from graphcp.cp.metadata import CPMetadata, LastTokens
-from graphcp.cp.metadata import HostMaxima
+from graphcp.cp.metadata import CPMetadata, HostMaxima, LastTokens
 from graphcp.distributed.comm import CPComm
 from graphcp.kernels.registry import KERNELS
 from graphcp.kernels.resolve import resolve_dsa, resolve_kernel

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from graphcp.cp.metadata import CPMetadata, LastTokens
-from graphcp.cp.metadata import HostMaxima
+from graphcp.cp.metadata import CPMetadata, HostMaxima, LastTokens
 from graphcp.distributed.comm import CPComm
 from graphcp.kernels.registry import KernelSpec
 from graphcp.kv.cache import PagedPool
@@ -32,7 +31,7 @@ class AttentionContext:
     kernels: AttentionKernels
     last: LastTokens | None = None   # the last layer attends for each request's last token only
 
-    def all_gather(self, rows):  # noqa: ANN001, ANN201 - a tensor in, the CP group's rows out
+    def all_gather(self, rows):
         """``rows`` of every CP rank, rank-major (one collective; the rows themselves at CP 1)."""
         if self.meta.cp_size == 1:
             return rows

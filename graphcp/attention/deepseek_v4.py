@@ -24,9 +24,8 @@ from graphcp.kernels.dsa_torch import key_slots, select_topk
 from graphcp.kernels.v4_torch import attend_with_sinks
 from graphcp.kv.cache import CachePart
 from graphcp.models.config import ModelConfig
-from graphcp.models.deepseek_v4.config import CSA, HCA
+from graphcp.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
 from graphcp.profiling import nvtx_range
-from graphcp.models.deepseek_v4.config import DeepseekV4Config
 
 # Query rows run in chunks whose gathered keys (and indexer scores) hold at most this many elements.
 CHUNK_ELEMENTS = 2**24

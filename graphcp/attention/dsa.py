@@ -13,9 +13,9 @@ import torch
 
 from graphcp.attention.context import AttentionContext
 from graphcp.kernels.dsa_torch import key_slots, select_topk
+from graphcp.models.deepseek.config import MLAConfig
 from graphcp.models.deepseek.rope import softmax_scale
 from graphcp.profiling import nvtx_range
-from graphcp.models.deepseek.config import MLAConfig
 
 
 class DSAAttention:

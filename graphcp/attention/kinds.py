@@ -11,8 +11,7 @@ from typing import Callable
 import torch
 
 from graphcp.attention.deepseek_v4 import GRAPH_REASON as V4_REASON
-from graphcp.attention.deepseek_v4 import (V4CSAAttention, V4HCAAttention, V4SlidingAttention,
-                                           v4_export, v4_parts)
+from graphcp.attention.deepseek_v4 import V4CSAAttention, V4HCAAttention, V4SlidingAttention, v4_export, v4_parts
 from graphcp.attention.dsa import DSAAttention
 from graphcp.attention.linear_cp import linear_attention
 from graphcp.attention.linear_op import CONV, RECURRENT

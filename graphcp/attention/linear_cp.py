@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from graphcp.attention.context import AttentionContext
-from graphcp.attention.linear_op import (LocalLinearAttention, RequestStates, SequenceMixer,
-                                         chunk_layout)
+from graphcp.attention.linear_op import LocalLinearAttention, RequestStates, SequenceMixer, chunk_layout
 from graphcp.distributed.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
 from graphcp.kernels.delta_rule_torch import block_transition, causal_conv, last_inputs, state_outputs

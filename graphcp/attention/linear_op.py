@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 
 from graphcp.graph.protocol import capture_active
-from graphcp.kv.states import NO_STATE, StatePool
 from graphcp.kernels.delta_rule_torch import ChunkLayout, causal_conv, chunk_count, gated_delta_rule
+from graphcp.kv.states import NO_STATE, StatePool
 
 CONV, RECURRENT = "conv", "recurrent"      # a linear layer's per-request parts (attention/kinds.py)
 

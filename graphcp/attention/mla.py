@@ -16,9 +16,9 @@ from graphcp.attention.context import AttentionContext
 from graphcp.cp.metadata import HostMaxima
 from graphcp.graph.protocol import graph_break
 from graphcp.kernels.mla_torch import MLAArgs, MLADims, mla_attention
+from graphcp.models.deepseek.config import MLAConfig
 from graphcp.models.deepseek.rope import softmax_scale
 from graphcp.profiling import nvtx_range
-from graphcp.models.deepseek.config import MLAConfig
 
 
 @graph_break(host_arg="host")

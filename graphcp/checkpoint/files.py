@@ -52,13 +52,13 @@ class SafetensorsReader:
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
         return self.take(name, lambda s: read_slice(s, shard))
 
-    def take(self, name: str, index) -> torch.Tensor:  # noqa: ANN001 - a slice index or a function of the slice
+    def take(self, name: str, index) -> torch.Tensor:
         with safe_open(self.files[name], framework="pt") as f:
             s = f.get_slice(name)
             return index(s) if callable(index) else s[index]
 
 
-def read_slice(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:  # noqa: ANN001
+def read_slice(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:
     if shard is None:
         return tensor_slice[:]
     dim, start, end = shard

@@ -45,7 +45,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED = object()
 
 
-def reader(model_path: str):  # noqa: ANN201
+def reader(model_path: str):
     """The parsed file, once per process (parsing a tokenizer's metadata takes seconds)."""
     check_gguf_file(model_path)
     stat = os.stat(model_path)
@@ -53,11 +53,11 @@ def reader(model_path: str):  # noqa: ANN201
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: str, size: int, mtime_ns: int):  # noqa: ANN202, ARG001 (size, mtime: cache key)
+def _open(path: str, size: int, mtime_ns: int):
     from gguf import GGMLQuantizationType, GGUFReader
 
     class _Reader(GGUFReader):
-        def _build_tensors(self, start_offs, fields):  # noqa: ANN001, ANN202
+        def _build_tensors(self, start_offs, fields):
             for info in fields:  # name the tensor before gguf's bare enum error
                 name, raw_type = (
                     bytes(info.parts[1]).decode("utf-8", "replace"),
@@ -80,7 +80,7 @@ def _open(path: str, size: int, mtime_ns: int):  # noqa: ANN202, ARG001 (size, m
         raise ConfigError(f"--model-path {path!r}: truncated or corrupt GGUF file ({e})") from e
 
 
-def field(r, key: str, default: object = _REQUIRED):  # noqa: ANN001, ANN201
+def field(r, key: str, default: object = _REQUIRED):
     """A metadata value (scalar, string or list), or a ConfigError naming the missing key."""
     f = r.fields.get(key)
     if f is None:
@@ -184,7 +184,7 @@ class GGUFTensors:
         for name, t in self.tensors.items():
             self._probe(name, t)
 
-    def _probe(self, name: str, t) -> None:  # noqa: ANN001
+    def _probe(self, name: str, t) -> None:
         """Dequantize one row now, so an unsupported type is refused before any allocation."""
         try:
             self.dequantize(t.data[:1] if t.data.ndim > 1 else t.data, t.tensor_type)
@@ -244,5 +244,5 @@ class GGUFReader:
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
         return self.gguf.read(name, shard, self.head_dim)
 
-    def take(self, name: str, index) -> torch.Tensor:  # noqa: ANN001
+    def take(self, name: str, index) -> torch.Tensor:
         raise ConfigError(f"--model-path: GGUF tensor {self.label(name)} cannot be read by index")

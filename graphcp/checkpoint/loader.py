@@ -18,8 +18,8 @@ from graphcp.config import is_gguf
 from graphcp.distributed.shards import EPInfo, TPInfo
 from graphcp.errors import ConfigError
 from graphcp.kernels.fp8_types import FP8
-from graphcp.models.common.quantized import attach
 from graphcp.models.common.decoder import DecoderLM
+from graphcp.models.common.quantized import attach
 from graphcp.models.config import ModelConfig
 from graphcp.models.registry import family_of
 
@@ -97,10 +97,10 @@ def _materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
-def _power_of_two_scales(read):  # noqa: ANN001, ANN202 - the reader's read(name, shard)
+def _power_of_two_scales(read):
     """``read`` checking that every FP8 block scale it returns is a power of two (scale_fmt ue8m0:
     transformers stores them as float8_e8m0fnu, which holds nothing else)."""
-    def checked(source: str, shard):  # noqa: ANN001, ANN202
+    def checked(source: str, shard):
         tensor = read(source, shard)
         if source.endswith("_scale_inv"):
             mantissa, _ = torch.frexp(tensor.float())

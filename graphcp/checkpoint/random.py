@@ -75,7 +75,7 @@ def make_random_checkpoint(path: str, config: dict, seed: int = 0, dtype: torch.
     return path
 
 
-def _ffn(config: dict, p: str, rand) -> dict:  # noqa: ANN001
+def _ffn(config: dict, p: str, rand) -> dict:
     """A dense gated MLP, or (Qwen3-MoE layers, as HF picks them) a router and per-expert MLPs."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     layer = int(p.split(".")[2])

@@ -6,14 +6,13 @@ import hashlib
 import os
 import tempfile
 
-from graphcp.errors import ConfigError
 from graphcp.config import check_gguf_file, is_gguf
-
+from graphcp.errors import ConfigError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def tokenizer(model_path: str):  # noqa: ANN201
+def tokenizer(model_path: str):
     """``AutoTokenizer`` for ``model_path``: a GGUF's embedded vocabulary, merges and chat template,
     or the tokenizer files of an HF checkpoint dir. transformers is imported only here (the engine
     needs ids only)."""
@@ -40,7 +39,7 @@ def tokenizer(model_path: str):  # noqa: ANN201
         ) from e
 
 
-def _from_gguf(auto, model_path: str):  # noqa: ANN001, ANN202
+def _from_gguf(auto, model_path: str):
     """transformers rebuilds a GGUF tokenizer element by element (seconds to tens of seconds); the
     result is saved once in the graphcp cache, keyed by the file's path, size and mtime, and
     reloaded from there."""

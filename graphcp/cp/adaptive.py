@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from graphcp.cp.host_metadata import zigzag_metadata_host
-from graphcp.cp.metadata import CPMetadata, zigzag_metadata
-from graphcp.cp.metadata import HostMaxima
+from graphcp.cp.metadata import CPMetadata, HostMaxima, zigzag_metadata
 from graphcp.cp.strategy import ContextParallelStrategy, ZigzagStrategy
 
 UNSPLIT_CANDIDATES = 8   # placements a batch weighs beyond the threshold's (each an LPT pass)
@@ -164,7 +163,7 @@ class AdaptiveZigzagStrategy(ZigzagStrategy):
                      page_size, whole_on)
 
     def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata,
-                         comm) -> torch.Tensor:  # noqa: ANN001
+                         comm) -> torch.Tensor:
         """Last tokens live on the rank each request ran on: zero the rows this rank does not own
         and sum."""
         rows = rows * meta.logit_owner[:, None].to(rows.dtype)

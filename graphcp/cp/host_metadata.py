@@ -3,7 +3,7 @@ descriptors live on the host.
 
 The tensor forms run inside captured graphs; outside one, on the host, each of their ~60 small ops
 costs ~10 us of dispatch (about 0.9 ms per forward, measured), where numpy takes a few. Every field
-equals the tensor form's, value and dtype (int64): ``tests/test_host_metadata.py`` holds them equal on
+equals the tensor form's, value and dtype (int64): ``tests/core/test_host_metadata.py`` holds them equal on
 random batches.
 """
 from __future__ import annotations

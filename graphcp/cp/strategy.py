@@ -9,8 +9,7 @@ from typing import Callable
 import torch
 
 from graphcp.cp.host_metadata import interleave_metadata_host, zigzag_metadata_host
-from graphcp.cp.metadata import CPMetadata, interleave_metadata, zigzag_metadata
-from graphcp.cp.metadata import HostMaxima
+from graphcp.cp.metadata import CPMetadata, HostMaxima, interleave_metadata, zigzag_metadata
 
 
 @dataclass(slots=True)
@@ -105,7 +104,7 @@ class ContextParallelStrategy:
         build = type(self).build_host if on_host else type(self).build
         return build(extend_lens, prefix_lens, page_table, self.cp_size, rank, local_cap, page_size)
 
-    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
+    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:
         """Make every request's last-token row valid where logits are read (rank 0 by default)."""
         return rows
 
@@ -211,7 +210,7 @@ class InterleaveStrategy(ContextParallelStrategy):
         base, extra = divmod(sum(extend_lens), self.cp_size)
         return [base + (r < extra) for r in range(self.cp_size)]
 
-    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:  # noqa: ANN001
+    def reduce_last_rows(self, rows: torch.Tensor, meta: CPMetadata, comm) -> torch.Tensor:
         """The last tokens are spread over ranks: zero the rows this rank does not own and sum."""
         if self.cp_size == 1:
             return rows

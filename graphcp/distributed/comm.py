@@ -17,7 +17,7 @@ def _nccl(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def _out_of_place(collective, out: torch.Tensor, inp: torch.Tensor,  # noqa: ANN001
+def _out_of_place(collective, out: torch.Tensor, inp: torch.Tensor,
                   group: dist.ProcessGroup | None) -> torch.Tensor:
     """Run an (out, inp) collective; under gloo, CUDA tensors travel through host memory."""
     if out.is_cuda and not _nccl(group):

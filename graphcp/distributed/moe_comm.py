@@ -195,7 +195,7 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | No
     dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
 
 
-def moe_communicator(args, num_experts: int, groups, tp_rank: int,  # noqa: ANN001, ANN201
+def moe_communicator(args, num_experts: int, groups, tp_rank: int,
                      attn_tp_rank: int):
     """This rank's MoE token flow (None on a one-rank TP world: every expert is local)."""
     if args.tp_size == 1:

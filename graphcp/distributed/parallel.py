@@ -11,10 +11,9 @@ import torch
 from graphcp.config import EngineArgs
 from graphcp.distributed.comm import CPComm, FFNCommunicator, all_reduce
 from graphcp.distributed.moe_comm import moe_communicator
+from graphcp.distributed.shards import EPInfo, TPInfo, pipeline_stage
 from graphcp.distributed.topology import Groups, RankInfo, build_groups, expert_place, rank_info, rank_of
 from graphcp.forward_context import MoECommunicator
-from graphcp.distributed.shards import EPInfo
-from graphcp.distributed.shards import TPInfo, pipeline_stage
 
 
 class ModelShape(Protocol):

@@ -19,8 +19,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graphcp.graph.cpu_pool import CpuPool, Slot, out_variant, place_in_pool
-from graphcp.graph.protocol import (Break, BreakableGraph, Capture, GraphCaptureError, capture_active, check_break_outputs,
-                                    host_slot, set_active)
+from graphcp.graph.protocol import (
+    Break,
+    BreakableGraph,
+    Capture,
+    GraphCaptureError,
+    capture_active,
+    check_break_outputs,
+    host_slot,
+    set_active,
+)
 from graphcp.profiling import no_profiler_ranges
 
 # -- CPU emulation ---------------------------------------------------------------------------------
@@ -67,7 +75,7 @@ class _Recorder(TorchDispatchMode):
         self._saved.clear()
         return super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _op_name(func).split(".")[0]
         if name in _SYNC_OPS:

@@ -10,6 +10,7 @@ import torch
 from graphcp.graph.protocol import Break, BreakableGraph, BreakLog, Capture, check_break_outputs, host_slot, set_active
 from graphcp.profiling import no_profiler_ranges
 
+
 # -- CUDA -------------------------------------------------------------------------------------------
 class _CudaSegment:
     def __init__(self, graph: "torch.cuda.CUDAGraph") -> None:

@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import register_dataclass
 
-
 log = logging.getLogger("graphcp")
 Kernel = Callable[..., torch.Tensor]
 ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "torch")     # --attention-kernel
@@ -150,7 +149,7 @@ def check(run: Callable[[], Any], reference: Callable[[], Any], dtype: torch.dty
     failure, or a wrong result)."""
     try:
         got = run()
-    except Exception as e:  # noqa: BLE001 - any failure means this kernel cannot serve here
+    except Exception as e:
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return f"failed its first call ({type(e).__name__}: {first})"
     return compare(got, reference(), dtype, reference_name)

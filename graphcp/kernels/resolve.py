@@ -1,7 +1,8 @@
 """The kernel choices, each with the inputs of its start-up check: one small call shaped like the
-model's, run through ``registry.check`` against the torch form. Kernels that compile on first use (Triton, flashinfer's JIT
-or downloaded cubins) can fail on a machine they were never tried on; checking at start turns that into
-a fallback (``auto``) or a ConfigError (an explicit choice) instead of a failed first batch or capture."""
+model's, run through ``registry.check`` against the torch form. Kernels that compile on first use
+(Triton, flashinfer's JIT or downloaded cubins) can fail on a machine they were never tried on;
+checking at start turns that into a fallback (``auto``) or a ConfigError (an explicit choice) instead
+of a failed first batch or capture."""
 from __future__ import annotations
 
 import functools
@@ -10,10 +11,9 @@ from types import ModuleType
 
 import torch
 
-from graphcp.kernels import dsa_torch
 from graphcp.errors import ConfigError
-from graphcp.kernels.registry import (KERNELS, KernelChoices, KernelContext, KernelSpec, check,
-                                      triton_unusable)
+from graphcp.kernels import dsa_torch
+from graphcp.kernels.registry import KERNELS, KernelChoices, KernelContext, KernelSpec, check, triton_unusable
 from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
 from graphcp.kernels.torch_ref import torch_paged_attention
 
@@ -24,7 +24,7 @@ def _rand(gen: torch.Generator, device: torch.device, dtype: torch.dtype, *shape
     return torch.randn(*shape, generator=gen).to(device, dtype)
 
 
-def check_attention(kernel, ctx: KernelContext) -> str | None:  # noqa: ANN001 - the shared kernel signature
+def check_attention(kernel, ctx: KernelContext) -> str | None:
     """Two sequences, one extending a cached prefix, padding rows after them."""
     gen, (num_heads, num_kv_heads), d, ps = torch.Generator().manual_seed(0), ctx.heads, ctx.head_dim, ctx.page_size
     q_lens, kv_lens = [19, 7], [19, 7 + 2 * ps + 3]
@@ -53,14 +53,15 @@ def probe_layer_ops(choices: KernelChoices, device: torch.device, dtype: torch.d
     write (scattered slots), each once against its torch form; eagerly, at start, on CUDA."""
     gen = torch.Generator().manual_seed(0)
     x, res, w = (_rand(gen, device, dtype, *s) for s in ((7, 96), (7, 96), (96,)))
-    choices.probe("rms_norm", lambda fn: fn(x, w, 1e-6, res), lambda: (rms_norm_torch(res + x, w, 1e-6), res + x), dtype)
+    choices.probe("rms_norm", lambda fn: fn(x, w, 1e-6, res),
+                  lambda: (rms_norm_torch(res + x, w, 1e-6), res + x), dtype)
     qkv, cos, sin = (_rand(gen, device, dtype, *s) for s in ((7, 6, 64), (7, 64), (7, 64)))
     q = qkv[:, :4]
     choices.probe("rope", lambda fn: fn(q, cos, sin), lambda: rope_torch(q, cos[:, None], sin[:, None]), dtype)
     rows = [_rand(gen, device, dtype, 5, 2, 64) for _ in range(2)]
     slots = torch.tensor([9, 0, 31, 4, 17], device=device)
 
-    def write(fn) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    def write(fn) -> tuple[torch.Tensor, torch.Tensor]:
         pools = [torch.zeros(32, 2, 64, dtype=dtype, device=device) for _ in range(2)]
         if fn is None:
             for pool, r in zip(pools, rows):

@@ -7,7 +7,7 @@ import torch
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 statistics, then back to the input dtype before the weight, as the HF reference does.
-    fp32 takes torch's fused op (the same values: held bit-equal by tests/test_rope.py; 30% faster
+    fp32 takes torch's fused op (the same values: held bit-equal by tests/models/test_rope.py; 30% faster
     on CPU). Otherwise the last product is taken in place (same values: a fresh tensor, and
     products commute), which spares an allocation as large as x."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 1 \

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcp.kernels.triton_util import needs_int64
 from graphcp.kernels.fp8_types import FP8, FP8_MAX, Fp8Weight
+from graphcp.kernels.triton_util import needs_int64
 
 
 @triton.jit

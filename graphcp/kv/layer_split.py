@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from graphcp.kv.cache import LayerParts, PagedPool
 from graphcp.distributed.shards import even_split
+from graphcp.kv.cache import LayerParts, PagedPool
 
 
 class ScratchPages:

@@ -15,7 +15,6 @@ import numpy as np
 
 from graphcp.errors import RequestError
 
-
 _NO_PAGES = np.zeros(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False        # shared by every new request (its pages are replaced, never written)
 

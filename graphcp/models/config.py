@@ -87,8 +87,9 @@ class Fields:
 
 def base_fields(f: Fields, head_dim_key: str = "head_dim", head_dim_fallback: bool = True) -> dict:
     """The decoder's common fields: sizes, heads (num_key_value_heads dividing the query heads), the
-    head dim (``head_dim_key``, or hidden / heads where the family falls back to it), norms, positions, the tied embedding, and the
-    FP8 quantization config; RoPE is read by ``rope_fields`` over the head part that rotates."""
+    head dim (``head_dim_key``, or hidden / heads where the family falls back to it), norms,
+    positions, the tied embedding, and the FP8 quantization config; RoPE is read by ``rope_fields``
+    over the head part that rotates."""
     hidden, heads = f.need("hidden_size"), f.need("num_attention_heads")
     kv_heads = f.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:

@@ -18,9 +18,9 @@ import time
 import torch
 
 from graphcp.attention.kinds import cache_parts, layer_kinds
+from graphcp.checkpoint.config import read_model_config
 from graphcp.distributed.procs import child_env
 from graphcp.errors import ConfigError, RequestError, TransferError
-from graphcp.checkpoint.config import read_model_config
 from graphcp.pd.layout import DTYPES, destination_dict, layout_for
 from graphcp.pd.mooncake import READY, transfer_engine_class
 

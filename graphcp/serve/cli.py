@@ -39,7 +39,7 @@ def build(argv: list[str]) -> PrefillServer:
         raise
 
 
-def _tokenizer(path: str | None):  # noqa: ANN202 - an HF tokenizer or None
+def _tokenizer(path: str | None):
     """The checkpoint's tokenizer (chat template included); None where it has none."""
     if path is None:
         return None

@@ -58,7 +58,7 @@ def _per_item(body: dict, key: str, n: int, default: object) -> list:
     return [value] * n
 
 
-def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:  # noqa: ANN001 - an HF tokenizer
+def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
     """Each request's ids, and whether the body was a batch."""
     if body.get("input_ids") is not None:
         ids = body["input_ids"]
@@ -75,7 +75,7 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:  # noqa: AN
     return [list(tokenizer(t)["input_ids"]) for t in (text if batched else [text])], batched
 
 
-def chat_ids(body: dict, tokenizer) -> list[int]:  # noqa: ANN001
+def chat_ids(body: dict, tokenizer) -> list[int]:
     """``messages`` through the checkpoint's chat template with the generation prompt, as SGLang's
     OpenAI-compatible chat endpoint renders them."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -94,7 +94,7 @@ def chat_ids(body: dict, tokenizer) -> list[int]:  # noqa: ANN001
 def parse_body(
     body: object,
     tokenizer,
-    bootstrap_port: int | None,  # noqa: ANN001
+    bootstrap_port: int | None,
     chat: bool = False,
 ) -> tuple[list[Item], bool]:
     """The requests of one body, and whether to answer with a list; RequestError names the field."""

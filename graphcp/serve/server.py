@@ -43,7 +43,7 @@ class PrefillServer:
         engine: Engine,
         host: str,
         port: int,
-        tokenizer=None,  # noqa: ANN001 - HF tokenizer
+        tokenizer=None,
         tokenizer_path: str | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.tokenizer_path = engine, tokenizer, tokenizer_path
@@ -90,7 +90,7 @@ class PrefillServer:
             except RequestError:
                 for one in batch:  # one bad request must not fail the others
                     self._prefill_alone(one)
-            except Exception as e:  # noqa: BLE001 - the engine died: every waiting client is told
+            except Exception as e:
                 self.dead = f"{type(e).__name__}: {e}"
                 for one in batch:
                     one.error = f"{type(e).__name__}: {e}"
@@ -99,7 +99,7 @@ class PrefillServer:
     def _prefill_alone(self, one: Pending) -> None:
         try:
             self._prefill([one])
-        except Exception as e:  # noqa: BLE001 - a RequestError (400), or the engine is gone (500)
+        except Exception as e:
             one.error = str(e) if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
             one.rejected = isinstance(e, RequestError)
             one.done.set()
@@ -268,11 +268,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         answer = self.app.info(self.path.split("?")[0])
         self._reply(*(answer or (404, {"error": {"message": f"no route {self.path}"}})))
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         path = self.path.split("?")[0]
         try:
             body = json.loads(

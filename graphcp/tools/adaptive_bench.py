@@ -66,9 +66,9 @@ def _time(engines: dict, batches: dict, reps: int) -> list[dict]:
 
 def adaptive_bench(args: EngineArgs, reps: int = 15, seed: int = 0) -> dict:
     from graphcp import Engine
+    from graphcp.checkpoint.config import read_model_config
     from graphcp.cp.adaptive import AdaptiveZigzagStrategy, CostModel
     from graphcp.cp.strategy import make_strategy
-    from graphcp.checkpoint.config import read_model_config
     vocab = read_model_config(args.model_path).vocab_size
     rng = random.Random(seed)
     batches = {name: [[rng.randrange(vocab) for _ in range(n)] for n in lens]

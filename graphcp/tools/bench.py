@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from graphcp.config import resolve_dtype
 from graphcp.checkpoint.config import read_model_config
+from graphcp.config import resolve_dtype
 from graphcp.models.deepseek.config import MLAConfig
 from graphcp.models.deepseek_v4.config import DeepseekV4Config
 from graphcp.models.qwen3_next.config import HybridConfig
@@ -104,7 +104,7 @@ def run(argv: list[str]) -> int:
             batch = [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
             requests = [Request(f"b{i}", ids) for i, ids in enumerate(batch)]
 
-            def graphcp_run(force_eager: bool, count: bool = False):  # noqa: ANN202
+            def graphcp_run(force_eager: bool, count: bool = False):
                 out = engine.prefill(requests, force_eager=force_eager, count_host_ops=count)
                 for r in requests:
                     engine.release(r.rid)
@@ -169,7 +169,7 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def moe_traffic(args, cases: list[tuple[int, int]], vocab: int) -> list | None:  # noqa: ANN001
+def moe_traffic(args, cases: list[tuple[int, int]], vocab: int) -> list | None:
     """MoE layouts: bytes each rank hands to the MoE collectives per MoE layer, for each token flow,
     and the expert load (pairs per EP rank), as the communicators measure them on one eager forward
     per case. None for dense models or a one-rank TP world."""

@@ -9,8 +9,15 @@ import time
 import torch
 
 from graphcp.tools.cli import engine_args
-from graphcp.tools.generate import (chat_ids, greedy_generate, print_steps, replay_logits,
-                                    stop_ids, text_defaults, text_parser)
+from graphcp.tools.generate import (
+    chat_ids,
+    greedy_generate,
+    print_steps,
+    replay_logits,
+    stop_ids,
+    text_defaults,
+    text_parser,
+)
 
 
 def serving_batches(vocab: int, n_batches: int, seed: int = 0) -> list[list[tuple[str, list[int]]]]:
@@ -30,7 +37,7 @@ def serving_batches(vocab: int, n_batches: int, seed: int = 0) -> list[list[tupl
     return batches
 
 
-def run_loop(engine, batches, progress: bool = True):  # noqa: ANN001
+def run_loop(engine, batches, progress: bool = True):
     from tqdm import tqdm
 
     from graphcp import Request
@@ -64,7 +71,7 @@ def run(argv: list[str]) -> int:
     return run_random(ns) if ns.random_model else run_text(ns)
 
 
-def run_text(ns) -> int:  # noqa: ANN001
+def run_text(ns) -> int:
     from graphcp import Engine, tokenizer
     text_defaults(ns)
     args = engine_args(ns)
@@ -91,7 +98,7 @@ def run_text(ns) -> int:  # noqa: ANN001
     return 0
 
 
-def run_random(ns) -> int:  # noqa: ANN001
+def run_random(ns) -> int:
     from graphcp import Engine
     from graphcp.checkpoint.config import read_model_config
     args = engine_args(ns)
@@ -117,25 +124,25 @@ def run_random(ns) -> int:  # noqa: ANN001
     return 0
 
 
-def _print_header(args) -> None:  # noqa: ANN001
+def _print_header(args) -> None:
     print(f"graphcp demo: {args.model_path}\n  CP={args.cp_size} {args.cp_strategy or ''} "
           f"backend={args.resolved_backend()} device={args.resolved_device()} "
           f"graphs={'off' if args.disable_cuda_graph else 'on'}")
 
 
-def _print_engine(engine) -> None:  # noqa: ANN001
+def _print_engine(engine) -> None:
     stats = engine.stats()
     print(f"  captured buckets: {stats['graph_buckets'] or 'none'}; KV pool {stats['kv_tokens_total']} tokens per rank")
 
 
-def _print_agreement(args, logits, ref_logits, what: str, ref_name: str) -> None:  # noqa: ANN001
+def _print_agreement(args, logits, ref_logits, what: str, ref_name: str) -> None:
     err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, ref_logits))
     same = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(logits, ref_logits))
     print(f"\nCP={args.cp_size} vs {ref_name} logits over {what}: max relative error {err:.2e}; "
           f"greedy tokens {'identical' if same else 'DIFFER'}")
 
 
-def engine_release_all(engine, batches) -> None:  # noqa: ANN001
+def engine_release_all(engine, batches) -> None:
     for batch in batches:
         for rid, _ in batch:
             engine.release(rid)

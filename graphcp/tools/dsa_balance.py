@@ -32,7 +32,7 @@ def dsa_table(cases: list[tuple[int, int]], cp: int, topk: int) -> tuple[str, li
     return "\n".join(lines), rows
 
 
-def v4_balance(cp: int, extend_lens: list[int], v4) -> dict:  # noqa: ANN001 - a DeepseekV4Config
+def v4_balance(cp: int, extend_lens: list[int], v4) -> dict:
     """DeepSeek V4, per rank and summed over the layers: compressed entries its queries score in
     the CSA indexers, and keys they attend (the sliding window, plus the CSA top-k or every HCA
     entry whose window has closed); max/mean of each. Every rank also pools every window the batch
@@ -56,7 +56,7 @@ def v4_balance(cp: int, extend_lens: list[int], v4) -> dict:  # noqa: ANN001 - a
             "attention_max_over_mean": max(attended) * cp / max(1, sum(attended))}
 
 
-def v4_table(cases: list[tuple[int, int]], cp: int, v4) -> tuple[str, list[dict]]:  # noqa: ANN001
+def v4_table(cases: list[tuple[int, int]], cp: int, v4) -> tuple[str, list[dict]]:
     rows = [{"case": f"{n}x{length}", **v4_balance(cp, [length] * n, v4)} for n, length in cases]
     lines = ["", f"DeepSeek V4 work per rank under interleave at CP={cp} (window "
                  f"{v4.sliding_window}, index_topk {v4.index_topk}): entries scored by the "

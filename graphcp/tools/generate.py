@@ -32,7 +32,7 @@ class Step:
 
 
 def greedy_generate(
-    engine,  # noqa: ANN001
+    engine,
     prompts: dict[str, list[int]],
     max_new_tokens: int,
     stop_ids: tuple[int, ...] = (),
@@ -64,7 +64,7 @@ def greedy_generate(
     return generated, steps
 
 
-def replay_logits(engine, steps: list[Step]) -> list[torch.Tensor]:  # noqa: ANN001
+def replay_logits(engine, steps: list[Step]) -> list[torch.Tensor]:
     """The same batches on another engine (e.g. CP=1), for an agreement check; rids released."""
     from graphcp import Request
 
@@ -76,7 +76,7 @@ def replay_logits(engine, steps: list[Step]) -> list[torch.Tensor]:  # noqa: ANN
     return logits
 
 
-def chat_ids(tok, text: str, chat: bool = True) -> list[int]:  # noqa: ANN001
+def chat_ids(tok, text: str, chat: bool = True) -> list[int]:
     """Token ids of a user message through the model's chat template (or the plain text)."""
     if chat and tok.chat_template:
         enc = tok.apply_chat_template(
@@ -91,7 +91,7 @@ def chat_ids(tok, text: str, chat: bool = True) -> list[int]:  # noqa: ANN001
     return ids
 
 
-def stop_ids(tok) -> tuple[int, ...]:  # noqa: ANN001
+def stop_ids(tok) -> tuple[int, ...]:
     return tuple(i for i in (tok.eos_token_id,) if i is not None)
 
 
@@ -110,7 +110,7 @@ def print_steps(steps: list[Step]) -> None:
           "prompt prefill included)")
 
 
-def text_parser(prog: str, description: str, max_new_tokens: int):  # noqa: ANN201
+def text_parser(prog: str, description: str, max_new_tokens: int):
     """Engine flags plus the text-generation ones; the real model is the default --model-path."""
     parser = engine_parser(prog, description, cp_default=2)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -120,7 +120,7 @@ def text_parser(prog: str, description: str, max_new_tokens: int):  # noqa: ANN2
     return parser
 
 
-def text_defaults(ns) -> None:  # noqa: ANN001
+def text_defaults(ns) -> None:
     """The real model, and graph buckets and a KV pool sized for a few chat prompts, unless flags
     say otherwise."""
     if ns.max_new_tokens < 1:

@@ -1,7 +1,7 @@
 """``graphcp bench`` for hybrid linear-attention models: each zigzag rank's share of the linear
 layers' work and the bytes it receives per linear layer (graphcp/attention/linear_cp.py), from the
 layout the engine uses (``build_layout``) and the exchange sizes the op's counters are tested against
-(tests/test_hybrid_cp.py).
+(tests/models/test_hybrid_cp.py).
 
 Each rank runs the conv and the delta rule over its own two blocks of every request only, from a zero
 state with dk extra value columns that carry the block's transition (so a token costs (dv + dk) / dv

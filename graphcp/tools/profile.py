@@ -79,7 +79,7 @@ def run(argv: list[str]) -> int:
 
 
 # -- per rank -------------------------------------------------------------------------------------
-def _run_rank(args, ns: argparse.Namespace, merge: bool) -> int:  # noqa: ANN001
+def _run_rank(args, ns: argparse.Namespace, merge: bool) -> int:
     import torch.distributed as dist
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -102,7 +102,7 @@ def _batches(vocab: int, ns: argparse.Namespace) -> list[list[tuple[str, list[in
              for i in range(ns.requests)] for b in range(ns.batches + 1)]
 
 
-def _profile(args, ns: argparse.Namespace, rank: int) -> None:  # noqa: ANN001
+def _profile(args, ns: argparse.Namespace, rank: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from graphcp import Engine, Request
@@ -144,7 +144,7 @@ def _profile(args, ns: argparse.Namespace, rank: int) -> None:  # noqa: ANN001
         json.dump({"meta": meta, "ops": ops}, f)
 
 
-def _spawn_ranks(args, ns: argparse.Namespace, argv: list[str]) -> int:  # noqa: ANN001
+def _spawn_ranks(args, ns: argparse.Namespace, argv: list[str]) -> int:
     world = args.world_size
     port = free_port()
     child_argv = list(argv) + ["--model-path", args.model_path, "--out", ns.out]

@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
+from graphcp.checkpoint.config import read_model_config
 from graphcp.config import STRATEGIES, EngineArgs
 from graphcp.errors import ConfigError
-from graphcp.checkpoint.config import read_model_config
 from graphcp.tools.hf_baseline import HFModel, time_ms
 
 DEFAULT_LENGTHS = (1024, 4096, 16384, 65536)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 from graphcp.batch import Request
-from graphcp.tools.cli import engine_args, engine_parser
 from graphcp.config import EngineArgs
+from graphcp.tools.cli import engine_args, engine_parser
 
 
 def soak(args: EngineArgs, batches: int = 1000, sample_every: int = 50, seed: int = 0, progress: bool = False) -> dict:

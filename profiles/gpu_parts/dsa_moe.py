@@ -29,8 +29,8 @@ def run(rep: Report, workdir: str) -> str:
     import torch
 
     from graphcp.kernels import dsa_torch, triton_dsa
-    from graphcp.kernels.triton_moe import triton_experts
     from graphcp.kernels.moe_torch import dense_experts_torch as experts_torch
+    from graphcp.kernels.triton_moe import triton_experts
     dev = device_of(rep)
     dtype = torch.float32 if rep.dry_run else torch.bfloat16
     tol = 1e-5 if rep.dry_run else 1e-2        # bf16 output rounding against fp32: 2^-8 of the max

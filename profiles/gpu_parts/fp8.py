@@ -45,8 +45,8 @@ def run(rep: Report, workdir: str) -> str:
         if rep.dry_run:
             raise SkipPart("triton or the FP8 GEMM is not installed")
         raise RuntimeError(f"cannot test the FP8 GEMM: triton or {FP8_GEMM_MODULE} is missing")
-    from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
     from graphcp.kernels.fp8_torch import fp8_linear_torch
+    from graphcp.kernels.triton_fp8_gemm import triton_fp8_linear
     device = device_of(rep)
     if not rep.dry_run and torch.cuda.get_device_capability() < (8, 9):
         raise SkipPart("no FP8 tensor cores (compute capability < 8.9): FP8 weights are dequantized per call")

@@ -10,8 +10,17 @@ import time
 from typing import TYPE_CHECKING
 
 from . import graph_cases
-from .common import checkpoint, cuda, device_of, engine_args, prefill, random_batch, rel_err
-from .common import require_graph, time_prefill
+from .common import (
+    checkpoint,
+    cuda,
+    device_of,
+    engine_args,
+    prefill,
+    random_batch,
+    rel_err,
+    require_graph,
+    time_prefill,
+)
 
 if TYPE_CHECKING:
     from .report import Report

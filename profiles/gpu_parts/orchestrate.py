@@ -46,7 +46,7 @@ def child_main(key: str, dry_run: bool, workdir: str, budget_s: float, result_pa
         note, status = module.run(rep, workdir) or "", OK
     except SkipPart as e:
         status, note = INCOMPLETE, f"not run: {e}"
-    except Exception as e:  # noqa: BLE001 - recorded as the part's failure
+    except Exception as e:
         status, note = FAILED, f"{type(e).__name__}: {e}".splitlines()[0][:300]
         traceback.print_exc()
     tmp = result_path + ".tmp"

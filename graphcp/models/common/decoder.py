@@ -16,11 +16,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from graphcp.models.config import ModelConfig
+from graphcp.distributed.shards import EPInfo, TPInfo
 from graphcp.models.common.layers import RMSNorm
-from graphcp.distributed.shards import EPInfo
 from graphcp.models.common.linear import ColumnLinear, VocabEmbedding, vocab_logits
-from graphcp.distributed.shards import TPInfo
+from graphcp.models.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):

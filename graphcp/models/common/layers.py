@@ -7,8 +7,8 @@ from torch import nn
 
 from graphcp.kernels.registry import chosen
 from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch, rotated_sin
-from graphcp.models.config import ModelConfig
 from graphcp.models.common.rope import rope_tables
+from graphcp.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # noqa: ANN201
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the add fused on CUDA."""
         fn = chosen("rms_norm") if x.is_cuda else None
         if fn is not None and x.stride(-1) == 1 and x.dim() in (2, 3) and x.dtype == self.weight.dtype and (
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
             return fn(x, self.weight, self.eps, residual)
         return self._torch_form(x, residual)
 
-    def _torch_form(self, x: torch.Tensor, residual: torch.Tensor | None):  # noqa: ANN202
+    def _torch_form(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
             return rms_norm_torch(x, self.weight, self.eps)
         total = residual + x

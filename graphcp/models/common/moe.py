@@ -8,20 +8,18 @@ DeepSeek-style router (grouped top-k, score-correction bias, routed scaling) can
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import EPInfo, shard_range
 from graphcp.errors import ConfigError
 from graphcp.forward_context import current_moe_communicator
 from graphcp.kernels.fp8_torch import dequantize_expert, gemm_available
 from graphcp.kernels.fp8_types import FP8, Fp8Experts
-from graphcp.kernels.moe_torch import (dense_experts_torch, experts_fp8_torch, experts_torch,
-                                       silu_and_mul)
+from graphcp.kernels.moe_torch import dense_experts_torch, experts_fp8_torch, experts_torch, silu_and_mul
 from graphcp.kernels.registry import KernelChoices, chosen
-from graphcp.models.config import ModelConfig
 from graphcp.models.common.quantized import block_rows, scale_name, scale_shard
-from graphcp.distributed.shards import EPInfo, shard_range
+from graphcp.models.config import ModelConfig
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -158,7 +156,7 @@ class Experts(nn.Module):
                                lo % block[1], block))
 
     @torch.no_grad()
-    def load(self, prefix: str, names: set[str], read, take) -> None:  # noqa: ANN001
+    def load(self, prefix: str, names: set[str], read, take) -> None:
         """Only this rank's slices leave the checkpoint: ``read(name, (dim, start, end))`` returns
         a shard of a per-expert tensor as stored, ``take(name, index)`` returns ``tensor[index]``
         of a fused one."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import TPInfo
 from graphcp.forward_context import current_attention
-from graphcp.models.config import ModelConfig
 from graphcp.kernels.torch_layers import rope_interleaved, rope_torch
 from graphcp.models.common.layers import RMSNorm
 from graphcp.models.common.linear import ColumnLinear, Linear, RowLinear
-from graphcp.distributed.shards import TPInfo
+from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek.config import MLAConfig
 
 

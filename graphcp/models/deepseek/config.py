@@ -79,7 +79,7 @@ def read_config(f: Fields, arch: str) -> dict:
     return dict(fields, attention_kinds=(kind,) * layers)
 
 
-def _mla_fields(raw: dict, arch: str, num_layers: int, need) -> dict:  # noqa: ANN001
+def _mla_fields(raw: dict, arch: str, num_layers: int, need) -> dict:
     glm, v3 = arch == "GlmMoeDsaForCausalLM", arch == "DeepseekV3ForCausalLM"
     # HF rotates GLM-5's indexer interleaved and V3.2's half-split, whatever the field says.
     fixed = {k: v for k, v in _FIXED.items() if not (v3 and k == "rope_interleave")}
@@ -178,12 +178,12 @@ def _shared_indexer(raw: dict, arch: str, num_layers: int) -> tuple[bool, ...]:
     return tuple(t == "shared" for t in types)
 
 
-def check_flags(args, cfg: ModelConfig) -> None:  # noqa: ANN001 - EngineArgs
+def check_flags(args, cfg: ModelConfig) -> None:
     """The flags an MLA model runs with (DSA or dense MLA)."""
     (check_dsa_flags if MLAConfig.of(cfg).index_topk else check_mla_flags)(args)
 
 
-def check_dsa_flags(args) -> None:  # noqa: ANN001
+def check_dsa_flags(args) -> None:
     """DSA shards queries by interleave only, without DP; attention TP splits the heads without
     CP (under CP, attention TP is 1: --tp equal to --attn-cp-size, as SGLang)."""
     if args.cp_size > 1 and args.cp_strategy != "interleave":
@@ -195,7 +195,7 @@ def check_dsa_flags(args) -> None:  # noqa: ANN001
     _check_mla_flags(args, "DSA")
 
 
-def check_mla_flags(args) -> None:  # noqa: ANN001
+def check_mla_flags(args) -> None:
     """DeepSeek-V3 / Kimi-K2: either layout, heads over attention TP; its attention runs the torch
     forms (``kernels/mla_torch.py``), so another --attention-kernel is refused."""
     if args.attention_kernel not in ("auto", "torch"):
@@ -204,7 +204,7 @@ def check_mla_flags(args) -> None:  # noqa: ANN001
     _check_mla_flags(args, "MLA")
 
 
-def _check_mla_flags(args, family: str) -> None:  # noqa: ANN001
+def _check_mla_flags(args, family: str) -> None:
     if args.dp_size > 1:
         raise ConfigError(f"--dp {args.dp_size}: {family} models need --dp 1")
     if args.pp_size > 1:

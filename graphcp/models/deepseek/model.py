@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from graphcp.models.config import ModelConfig
+from graphcp.distributed.shards import EPInfo, TPInfo
 from graphcp.models.common.decoder import DecoderLayer, DecoderLM
+from graphcp.models.common.mlp import GatedMLP
+from graphcp.models.config import ModelConfig
+from graphcp.models.deepseek.attention import MLAttention
 from graphcp.models.deepseek.moe import DeepseekMoE
 from graphcp.models.deepseek.rope import DSARotary
-from graphcp.models.common.mlp import GatedMLP
-from graphcp.models.deepseek.attention import MLAttention
-from graphcp.distributed.shards import EPInfo
-from graphcp.distributed.shards import TPInfo
 
 
 class MLAForCausalLM(DecoderLM):

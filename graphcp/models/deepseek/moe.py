@@ -12,12 +12,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import EPInfo, TPInfo
 from graphcp.forward_context import current_moe_communicator
-from graphcp.models.config import ModelConfig
 from graphcp.models.common.mlp import GatedMLP
 from graphcp.models.common.moe import Experts
-from graphcp.distributed.shards import EPInfo
-from graphcp.distributed.shards import TPInfo
+from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek.config import MLAConfig
 
 

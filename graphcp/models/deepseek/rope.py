@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from graphcp.models.config import ModelConfig
 from graphcp.models.common.rope import rope_tables, yarn_mscale
+from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek.config import MLAConfig
 
 

@@ -15,13 +15,11 @@ from torch import nn
 
 from graphcp.forward_context import current_attention
 from graphcp.kernels.fp8_torch import dense_weight
-from graphcp.kernels.v4_torch import pool_windows
-from graphcp.models.config import ModelConfig
-from graphcp.models.deepseek_v4.config import CSA, HCA
+from graphcp.kernels.v4_torch import pool_windows, rotate_tail
 from graphcp.models.common.linear import Linear
-from graphcp.models.deepseek_v4.rope import V4Rotary, V4RMSNorm, unweighted_rms_norm
-from graphcp.kernels.v4_torch import rotate_tail
-from graphcp.models.deepseek_v4.config import DeepseekV4Config
+from graphcp.models.config import ModelConfig
+from graphcp.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from graphcp.models.deepseek_v4.rope import V4RMSNorm, V4Rotary, unweighted_rms_norm
 
 
 class Projection(nn.Module):

@@ -264,7 +264,7 @@ def _rope_spec(label: str, params: dict, head_dim: int, raw: dict) -> RopeSpec:
     return RopeSpec(float(theta), dim, yarn)
 
 
-def check_flags(args, cfg: ModelConfig) -> None:  # noqa: ANN001 - EngineArgs
+def check_flags(args, cfg: ModelConfig) -> None:
     """V4 shards queries by interleave only, without DP, attention TP or pipeline stages (its
     attention has one KV head, as DSA's MLA); the flags its op and model do not serve are
     refused."""

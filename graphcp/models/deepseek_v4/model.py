@@ -8,16 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.models.config import ModelConfig
+from graphcp.distributed.shards import EPInfo, TPInfo
 from graphcp.models.common.decoder import DecoderLM
+from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek_v4.attention import V4Attention
-from graphcp.models.deepseek_v4.config import SLIDING
-from graphcp.models.deepseek_v4.rope import V4Rotary, V4RMSNorm
-from graphcp.models.deepseek_v4.moe import V4MoE
+from graphcp.models.deepseek_v4.config import SLIDING, DeepseekV4Config
 from graphcp.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead
-from graphcp.distributed.shards import EPInfo
-from graphcp.distributed.shards import TPInfo
-from graphcp.models.deepseek_v4.config import DeepseekV4Config
+from graphcp.models.deepseek_v4.moe import V4MoE
+from graphcp.models.deepseek_v4.rope import V4RMSNorm, V4Rotary
 
 
 class V4Rotaries:

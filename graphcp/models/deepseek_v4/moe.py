@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import EPInfo
 from graphcp.errors import ConfigError
 from graphcp.forward_context import current_moe_communicator
-from graphcp.models.config import ModelConfig
-from graphcp.models.common.moe import Experts
-from graphcp.distributed.shards import EPInfo
 from graphcp.models.common.linear import Linear
+from graphcp.models.common.moe import Experts
+from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek_v4.config import DeepseekV4Config
 
 _SCORES = {"sqrtsoftplus": lambda x: nn.functional.softplus(x).sqrt(), "sigmoid": torch.sigmoid}

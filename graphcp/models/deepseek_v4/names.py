@@ -55,7 +55,7 @@ class RenamedReader:
     """A checkpoint reader (``checkpoint.files.SafetensorsReader``) seen through ``v4_model_name``: shapes, dtypes and
     reads keyed by transformers names; ``label`` gives back the checkpoint's own name for errors."""
 
-    def __init__(self, reader) -> None:  # noqa: ANN001 - a checkpoint reader
+    def __init__(self, reader) -> None:
         self.reader, self.source = reader, {}
         for name in reader.shapes:
             target = v4_model_name(name)
@@ -71,8 +71,8 @@ class RenamedReader:
     def label(self, name: str) -> str:
         return self.source.get(name, name)
 
-    def read(self, name: str, shard: tuple[int, int, int] | None):  # noqa: ANN201 - a tensor
+    def read(self, name: str, shard: tuple[int, int, int] | None):
         return self.reader.read(self.source[name], shard)
 
-    def take(self, name: str, index):  # noqa: ANN001, ANN201
+    def take(self, name: str, index):
         return self.reader.take(self.source[name], index)

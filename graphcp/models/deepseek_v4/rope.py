@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.models.deepseek_v4.config import RopeSpec
 from graphcp.models.common.rope import inv_freq
+from graphcp.models.deepseek_v4.config import RopeSpec
 
 
 class V4Rotary:

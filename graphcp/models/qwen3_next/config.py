@@ -154,7 +154,7 @@ def hybrid_rope(raw: dict) -> dict:
             "rope_parameters": None, "rope_scaling": None, key: params or None}
 
 
-def check_flags(args, cfg: ModelConfig) -> None:  # noqa: ANN001 - EngineArgs
+def check_flags(args, cfg: ModelConfig) -> None:
     """What the hybrid models run with: zigzag CP (the state hand-off cuts each request into 2C
     blocks; interleave would cut every linear-attention sequence token by token) without adaptive
     placement (untested), no attention TP (DeltaNet heads are not split), no PD transfer (it would

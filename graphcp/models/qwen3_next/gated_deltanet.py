@@ -17,9 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from graphcp.forward_context import current_attention
-from graphcp.models.config import ModelConfig
 from graphcp.kernels.delta_rule_torch import l2norm
 from graphcp.models.common.linear import Linear
+from graphcp.models.config import ModelConfig
 from graphcp.models.qwen3_next.config import HybridConfig
 
 

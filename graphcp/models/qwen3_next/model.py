@@ -11,22 +11,21 @@ The decoder loop, the LM head and pipeline stages are the shared decoder's
 from __future__ import annotations
 
 from dataclasses import replace
+
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import EPInfo, TPInfo
 from graphcp.errors import ConfigError
 from graphcp.forward_context import current_attention, current_moe_communicator
-from graphcp.models.config import ModelConfig
 from graphcp.models.common.decoder import DecoderLM
-from graphcp.models.qwen3_next.gated_deltanet import GatedDeltaNet
-from graphcp.models.qwen3_next.config import LINEAR
 from graphcp.models.common.layers import RotaryEmbedding
+from graphcp.models.common.linear import Linear
 from graphcp.models.common.mlp import GatedMLP
 from graphcp.models.common.moe import Experts, SoftmaxTopKRouter
-from graphcp.distributed.shards import EPInfo
-from graphcp.models.common.linear import Linear
-from graphcp.distributed.shards import TPInfo
-from graphcp.models.qwen3_next.config import HybridConfig
+from graphcp.models.config import ModelConfig
+from graphcp.models.qwen3_next.config import LINEAR, HybridConfig
+from graphcp.models.qwen3_next.gated_deltanet import GatedDeltaNet
 
 
 class OffsetRMSNorm(nn.Module):
@@ -38,7 +37,7 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):  # noqa: ANN201
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         total = x if residual is None else residual + x
         xf = total.float()
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -85,7 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         url = urlparse(self.path)
         if url.path == "/health":
             self._reply(200, "OK")
@@ -94,7 +94,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, f"no route {url.path}")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             state = self.server_state

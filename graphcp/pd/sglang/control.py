@@ -290,7 +290,7 @@ class PrefillControl:
         if reason is None:
             try:
                 errors = self.transfer(room.rid, targets)
-            except Exception as e:  # noqa: BLE001 - any failure fails this room; the engine decides the rest
+            except Exception as e:
                 errors = [f"{type(e).__name__}: {e}"] * len(targets)
             reason = next((e for e in errors if e), None)
         with self._cond:
@@ -342,7 +342,7 @@ class PrefillControl:
                 continue
             try:
                 self.release(rid)
-            except Exception as e:  # noqa: BLE001 - released by the caller already, or the engine is gone
+            except Exception as e:
                 log.debug("graphcp: release of %r after its transfer: %s", rid, e)
 
     def _send_status(self, room: Room, metas: list[tuple[Rank, Metadata]]) -> None:

@@ -12,7 +12,7 @@ from graphcp.pd.sglang.geometry import Geometry, Target, geometry_for, rank_writ
 # ``runner`` below is the rank's ModelRunner (not imported: the runner imports this module).
 
 
-def rank_geometry(runner) -> Geometry:  # noqa: ANN001
+def rank_geometry(runner) -> Geometry:
     args, pool = runner.args, runner.pool
     name = next(n for n, d in TORCH_DTYPES.items() if d == pool.dtype)
     return geometry_for(
@@ -25,7 +25,7 @@ def rank_geometry(runner) -> Geometry:  # noqa: ANN001
     )
 
 
-def sglang_write(runner, rid: str, targets: list[Target]) -> dict[int, str | None]:  # noqa: ANN001
+def sglang_write(runner, rid: str, targets: list[Target]) -> dict[int, str | None]:
     """Write this rank's targets of ``rid``: {target index: None, or why it failed}. Ranks of DP
     groups that do not hold ``rid`` answer nothing."""
     if runner.sender is None:
@@ -67,7 +67,7 @@ def sglang_write(runner, rid: str, targets: list[Target]) -> dict[int, str | Non
     return out
 
 
-def cached_lens(runner, rids: list[str]) -> list[int | None]:  # noqa: ANN001
+def cached_lens(runner, rids: list[str]) -> list[int | None]:
     """Tokens cached for each of ``rids`` (None where another DP group holds it)."""
     requests = runner.planner.pages.requests
     return [requests[r].cached_len if r in requests else None for r in rids]

@@ -9,10 +9,10 @@ import threading
 from typing import Callable, Sequence
 
 from graphcp.batch import PrefillOutput, Request
-from graphcp.config import TORCH_DTYPES, EngineArgs, resolve_dtype
-from graphcp.errors import ConfigError, RequestError
 from graphcp.checkpoint.config import read_model_config
+from graphcp.config import TORCH_DTYPES, EngineArgs, resolve_dtype
 from graphcp.distributed.shards import pipeline_stage
+from graphcp.errors import ConfigError, RequestError
 from graphcp.pd.sglang.bootstrap import local_ip
 from graphcp.pd.sglang.control import PrefillControl
 from graphcp.pd.sglang.geometry import Target, geometry_for
