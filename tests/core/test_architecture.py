@@ -9,8 +9,9 @@ import ast
 import os
 import re
 
-TOP = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ROOT = os.path.join(TOP, "graphcp")
+from testkit.paths import REPO
+
+ROOT = os.path.join(REPO, "graphcp")
 
 
 def _modules() -> dict[str, str]:
@@ -107,8 +108,8 @@ def test_layers_know_only_their_own_concerns():
 def _sources(*folders: str) -> dict[str, str]:
     out = {}
     for folder in folders:
-        for dirpath, _, files in os.walk(os.path.join(TOP, folder)):
-            out.update({os.path.relpath(os.path.join(dirpath, f), TOP): os.path.join(dirpath, f)
+        for dirpath, _, files in os.walk(os.path.join(REPO, folder)):
+            out.update({os.path.relpath(os.path.join(dirpath, f), REPO): os.path.join(dirpath, f)
                         for f in files if f.endswith(".py")})
     return out
 

@@ -8,14 +8,13 @@ import os
 
 import pytest
 from testkit.parity import Session, random_ids
+from testkit.paths import REPO
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _warmup():
-    spec = importlib.util.spec_from_file_location("warmup", os.path.join(ROOT, "capture", "warmup.py"))
+    spec = importlib.util.spec_from_file_location("warmup", os.path.join(REPO, "capture", "warmup.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from testkit.paths import SCRIPTS
 
 from graphcp.attention.op import _attend_break
 from graphcp.cp.metadata import HostMaxima
@@ -230,8 +231,7 @@ def test_one_rank_capture_failure_keeps_collectives_matched(checkpoint, oracle, 
 
     from testkit.hf_reference import rel_err
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                          "spmd_capture_fail.py")
+    script = os.path.join(SCRIPTS, "spmd_capture_fail.py")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

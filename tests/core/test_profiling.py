@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from testkit.paths import REPO
 
 from graphcp.tools.cli import main as cli_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -41,9 +41,9 @@ def test_gpu_check_dry_run(tmp_path):
     """Every part but the GPU-only one runs on CPU and passes; the run still exits 2 (INCOMPLETE):
     a dry run is not a GPU check."""
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "profiles", "gpu_check.py"),
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "profiles", "gpu_check.py"),
                            "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=700, env=env, cwd=ROOT)
+                          timeout=700, env=env, cwd=REPO)
     assert proc.returncode == 2, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "exit 2 (INCOMPLETE)" in proc.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())

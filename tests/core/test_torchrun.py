@@ -9,11 +9,12 @@ import sys
 
 import torch
 from testkit.hf_reference import rel_err
+from testkit.paths import SCRIPTS
 
 
 def test_torchrun_two_ranks(checkpoint, oracle, tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "spmd_prefill.py")
+    script = os.path.join(SCRIPTS, "spmd_prefill.py")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

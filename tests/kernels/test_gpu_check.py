@@ -12,22 +12,21 @@ import types
 
 import pytest
 import torch
+from gpu_parts import PARTS, Part, orchestrate, preflight
+from gpu_parts.report import FAILED, INCOMPLETE, OK, Report
+from testkit.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROFILES = os.path.join(ROOT, "profiles")
+from graphcp import profiling
+
+PROFILES = os.path.join(REPO, "profiles")
 DRIVER = os.path.join(PROFILES, "gpu_check.py")
-
-from gpu_parts import PARTS, Part, orchestrate, preflight  # noqa: E402
-from gpu_parts.report import FAILED, INCOMPLETE, OK, Report  # noqa: E402
-
-from graphcp import profiling  # noqa: E402
 
 
 def _run_driver(*args: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict, str]:
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("HF_HUB_OFFLINE", None)                # the driver sets it itself
     proc = subprocess.run([sys.executable, DRIVER, "--out", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     return proc, report, (tmp_path / "gpu_check.md").read_text()
 

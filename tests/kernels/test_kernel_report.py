@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from testkit.paths import REPO
 
 triton = pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
             "rmsnorm", "rope"}
 FIELDS = {"family", "kernel", "config", "ptx", "registers", "spill_store_bytes", "spill_load_bytes",
@@ -26,8 +26,8 @@ def report(tmp_path_factory):
     if not os.path.exists(bundled):
         pytest.skip("this triton has no bundled NVIDIA toolchain")
     out = tmp_path_factory.mktemp("kernel_report")
-    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "profiles", "kernel_report.py"),
+    env = dict(os.environ, PYTHONPATH=REPO, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "profiles", "kernel_report.py"),
                            "--arch", "sm_90a", "--out", str(out), "--sample"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

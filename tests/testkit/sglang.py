@@ -12,8 +12,8 @@ import tempfile
 import time
 
 from graphcp.distributed.procs import free_port
+from testkit.paths import SCRIPTS
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 HARNESS = os.path.join(SCRIPTS, "sglang_decode_harness.py")
 STUBS = os.path.join(SCRIPTS, "sglang_stubs")
 
