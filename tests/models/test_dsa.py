@@ -7,34 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testkit.hf_reference import CachedHF, rel_err
-from testkit.mla_checkpoint import widen_init
+from testkit.dsa_checkpoint import INTERLEAVE, TOPK, VOCAB, DSAOracle, make_dsa_checkpoint
+from testkit.hf_reference import rel_err
 from testkit.parity import TOL, random_ids
 
 from graphcp import ConfigError, Engine, EngineArgs, Request
 from graphcp.models.deepseek.config import check_dsa_flags
 
-VOCAB = 211
-TOPK = 8
 FIRST = [("a", random_ids(30, VOCAB, 1)), ("b", random_ids(19, VOCAB, 2))]
 SECOND = [("a", random_ids(13, VOCAB, 3)), ("c", random_ids(25, VOCAB, 4))]     # a: cached prefix
-INTERLEAVE = dict(enable_prefill_cp=True, cp_strategy="interleave")
-
-
-def make_dsa_checkpoint(path: str, arch: str, seed: int, **overrides) -> str:
-    import transformers
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32,
-                  q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,
-                  index_topk=TOPK, index_head_dim=32, index_n_heads=16, max_position_embeddings=512)
-    kwargs.update(overrides)
-    config = getattr(transformers, f"{arch}Config")(**kwargs)
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
-    widen_init(model)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +33,6 @@ def glm5(ckpt_dir):
                                topk_group=1,
                                mlp_layer_types=["dense", "sparse", "sparse"],
                                indexer_types=["full", "shared", "full"])
-
-
-class DSAOracle(CachedHF):
-    """HF in fp32: last-token logits and per layer (kv_latent, k_rope, index_k or None)."""
-
-    def layers(self, out, model) -> list:
-        return [(layer.keys[0, 0], layer.values[0, 0],
-                 layer.indexer_keys[0] if layer.is_indexer_initialized else None)
-                for layer in out.past_key_values.layers]
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testkit.hf_reference import CachedHF, rel_err
-from testkit.mla_checkpoint import DEEPSEEK_V3, KIMI_K2, write_release
+from testkit.hf_reference import rel_err
+from testkit.mla_checkpoint import DEEPSEEK_V3, KIMI_K2, MLAOracle, write_release
 from testkit.parity import TOL, graph_and_eager, random_ids
 
 from graphcp import ConfigError, EngineArgs, Request
@@ -35,18 +35,6 @@ def kimi(ckpt_dir):
     """Kimi-K2 as released (model_type kimi_k2, FP8, YaRN factor 32 with beta 1/1, one group)."""
     return write_release(str(ckpt_dir / "kimi-k2"), KIMI_K2, seed=32, num_hidden_layers=2,
                          n_routed_experts=16)
-
-
-class MLAOracle(CachedHF):
-    """HF in fp32: last-token logits and per layer (kv_latent, k_rope)."""
-
-    def load(self, path: str):
-        import transformers
-        return transformers.DeepseekV3ForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa")
-
-    def layers(self, out, model) -> list:
-        return [(c.keys[0, 0], c.values[0, 0]) for c in out.past_key_values.layers]
 
 
 @pytest.fixture(scope="module")

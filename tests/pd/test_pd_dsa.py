@@ -16,7 +16,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")        # as graphcp sets it befor
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is not importable: pip install "
                     "'graphcp[pd]' and apt-get install libibverbs1 librdmacm1 libnuma1 (README, PD section)")
 
-from test_dsa import INTERLEAVE, VOCAB, DSAOracle, make_dsa_checkpoint
+from testkit.dsa_checkpoint import INTERLEAVE, VOCAB, DSAOracle, make_dsa_checkpoint
 from testkit.hf_reference import rel_err
 from testkit.parity import TOL, random_ids
 

@@ -241,7 +241,7 @@ def test_abort_is_acked_by_every_endpoint_and_frees_the_pages(cp_engine, decode,
 
 def test_mla_into_decode(engines, decode, mla_paths, tmp_path):
     """DeepSeek-V3 (dense MLA) into SGLang's MLATokenToKVPool: [latent | rope] rows bitwise."""
-    from test_mla import MLAOracle
+    from testkit.mla_checkpoint import MLAOracle
 
     ckpt, twin = mla_paths
     if not os.path.isdir(ckpt):
@@ -355,7 +355,7 @@ def test_bad_rooms_and_flags_name_what_to_change(checkpoint, engines, ckpt_dir):
     with pytest.raises(RequestError, match=r"sampling_params\['top_p'\]"):
         pd.prefill([Request("r", [1, 2, 3], bootstrap_room=8, sampling_params={"top_p": 0})])
     assert pd.stats()["kv_tokens_free"] == pd.stats()["kv_tokens_total"]  # nothing was prefilled
-    from test_dsa import make_dsa_checkpoint
+    from testkit.dsa_checkpoint import make_dsa_checkpoint
 
     dsa = str(ckpt_dir / "sglang-dsa")
     if not os.path.isdir(dsa):

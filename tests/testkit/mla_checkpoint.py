@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from testkit.fp8_checkpoint import dequantize_blocks, quantize_blocks
+from testkit.hf_reference import CachedHF
 
 _AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
              "AutoModel": "modeling_deepseek.DeepseekV3Model",
@@ -144,3 +145,15 @@ def _add_mtp_layer(path: str, raw: dict, fp8: bool) -> None:
     index["weight_map"].update(dict.fromkeys(tensors, shard))
     with open(index_path, "w") as f:
         json.dump(index, f, indent=2)
+
+
+class MLAOracle(CachedHF):
+    """HF in fp32: last-token logits and per layer (kv_latent, k_rope)."""
+
+    def load(self, path: str):
+        import transformers
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa")
+
+    def layers(self, out, model) -> list:
+        return [(c.keys[0, 0], c.values[0, 0]) for c in out.past_key_values.layers]
