@@ -4,8 +4,7 @@ import torch
 
 from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek.attention import Indexer
-from graphcp.models.deepseek.config import (ARCHITECTURES, HF_DEFAULTS, MLAConfig, check_flags,
-                                            read_config)
+from graphcp.models.deepseek.config import ARCHITECTURES, HF_DEFAULTS, MLAConfig, check_flags, read_config
 from graphcp.models.deepseek.model import MLAForCausalLM
 from graphcp.models.family import Family
 
