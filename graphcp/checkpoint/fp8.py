@@ -14,7 +14,7 @@ from torch import nn
 
 from graphcp.distributed.shards import Pieces
 from graphcp.errors import ConfigError
-from graphcp.models.common.quantized import block_index, origin, scale_name, scale_shard, slice_scale_rows
+from graphcp.models.common.quantized import block_index, origin, row_blocks, scale_name, scale_shard
 from graphcp.models.config import ModelConfig
 
 _SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -84,7 +84,7 @@ def dequantize(
     """float32 weight of an FP8 slice; ``scale`` holds the scale rows/columns covering it
     (``scale_shard``)."""
     col0 = origin(shard)[1]
-    rows = slice_scale_rows(shard, weight.shape[0], block[0])
+    rows = row_blocks(shard, weight.shape[0], block[0])
     cols = block_index(col0, weight.shape[1], block[1])
     scale = (
         scale.float().index_select(0, rows.to(scale.device)).index_select(1, cols.to(scale.device))

@@ -45,7 +45,7 @@ def origin(shard: tuple[int, int, int] | Pieces | None) -> tuple[int, int]:
     return (shard[1], 0) if shard[0] == 0 else (0, shard[1])
 
 
-def slice_scale_rows(shard: tuple[int, int, int] | Pieces | None, count: int,
+def row_blocks(shard: tuple[int, int, int] | Pieces | None, count: int,
                      block: int) -> torch.Tensor:
     """For each of the ``count`` rows of a weight slice: its row among the scale rows
     ``scale_shard`` reads."""
@@ -116,7 +116,7 @@ def attach(model: nn.Module, block: tuple[int, int]) -> None:
         if getattr(module, "weight_scale_inv", None) is None:
             continue
         shard = getattr(module, "shard", None)
-        rows = slice_scale_rows(shard, module.weight.shape[0], block[0]).to(torch.int32)
+        rows = row_blocks(shard, module.weight.shape[0], block[0]).to(torch.int32)
         col0 = origin(shard)[1]
         module.fp8 = Fp8Weight(
             module.weight.data,

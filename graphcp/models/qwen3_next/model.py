@@ -6,8 +6,8 @@ norms, rotary on the first ``rotary_dim`` of each head), as ``layer_types`` says
 MoE with a shared expert behind a sigmoid gate. Norms are zero-centred: x_norm * (1 + weight).
 
 The decoder loop, the LM head and pipeline stages are the shared decoder's
-(``models/decoder.py``). Attention TP splits the heads of both mixers: the full-attention q/gate, k, v
-by head, the Gated DeltaNet layers by key head (``gated_deltanet.py``).
+(``models/decoder.py``). Attention TP splits the heads of both mixers: the full-attention q/gate,
+k, v by head, the Gated DeltaNet layers by key head (``gated_deltanet.py``).
 """
 from __future__ import annotations
 
