@@ -30,6 +30,8 @@ class ScaleNamesReader:
         self.dtypes = {t: reader.dtypes[s] for t, s in self.source.items()}
 
     def label(self, name: str) -> str:
+        if name not in self.source and name.endswith("_scale_inv"):     # a missing scale
+            return name.removesuffix("_inv")
         return self.reader.label(self.source.get(name, name))
 
     def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:

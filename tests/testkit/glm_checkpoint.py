@@ -42,10 +42,12 @@ FP8_DYNAMIC = {
     "format": "float-quantized", "global_compression_ratio": None,
     "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
     "quant_method": "compressed-tensors", "quantization_status": "compressed"}
-# The sizes shrunk; routing, partial RoPE, biases, norms and the rest stay as released.
+# The sizes shrunk (the special token ids with the vocabulary); routing, partial RoPE, biases,
+# norms and the rest stay as released.
 SHRUNK = dict(vocab_size=211, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
-              num_experts_per_tok=2, max_position_embeddings=2048)
+              num_experts_per_tok=2, max_position_embeddings=2048, pad_token_id=208,
+              eos_token_id=[208, 209, 210])
 # Fields of the released files that Glm4MoeConfig does not take as they are written.
 _HF_ONLY = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
             "quantization_config")

@@ -19,11 +19,7 @@ HF_DEFAULTS = {"Glm4MoeForCausalLM": dict(
     max_position_embeddings=131072, rms_norm_eps=1e-5, num_key_value_heads=8,
     partial_rotary_factor=0.5, n_routed_experts=128, num_experts_per_tok=8,
     moe_intermediate_size=1408, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1,
-    topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=1)}
-# Released config.json fields transformers never reads: it runs exactly these values (the
-# DeepSeek-style router it implements), and so does graphcp; another value is refused.
-_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
-          "moe_router_dtype": "float32"}
+    topk_group=1, first_k_dense_replace=1, norm_topk_prob=True)}
 
 
 @dataclass(frozen=True)
@@ -44,13 +40,9 @@ def read_config(f: Fields, arch: str) -> dict:
     """ModelConfig fields of a GLM-4.5 checkpoint; the expert count is ``n_routed_experts`` or its
     alias ``num_local_experts``, the MTP count ``num_nextn_predict_layers`` or ``num_mtp_layers``."""
     raw = expert_count(f.raw, ("num_local_experts", "n_routed_experts"), "n_routed_experts")
-    raw = expert_count(raw, ("num_mtp_layers", "num_nextn_predict_layers"),
+    raw = expert_count(raw, ("num_nextn_predict_layers", "num_mtp_layers"),
                        "num_nextn_predict_layers")
     f = Fields(raw, f.source)
-    for key, value in _FIXED.items():
-        if key in raw and raw[key] != value:
-            raise ConfigError(f"--model-path: {key}={raw[key]!r} is not supported: transformers "
-                              f"and graphcp run {arch} with {key}={value!r}")
     fields = base_fields(f)
     layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
     rotary_dim, rope_raw = partial_rotary(raw, head_dim)
@@ -59,7 +51,7 @@ def read_config(f: Fields, arch: str) -> dict:
     if top_k > experts:
         raise ConfigError(f"--model-path: num_experts_per_tok={top_k} exceeds "
                           f"n_routed_experts={experts}")
-    mtp = raw.get("num_nextn_predict_layers") or 0
+    mtp = raw.get("num_nextn_predict_layers", 1)       # HF's default, under either name
     if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
         raise ConfigError(f"--model-path: num_nextn_predict_layers={mtp!r} must be an integer "
                           ">= 0")
