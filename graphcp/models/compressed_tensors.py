@@ -12,7 +12,7 @@ from graphcp.errors import ConfigError
 from graphcp.kernels.fp8_types import WHOLE_ROW
 
 FORMAT = "compressed-tensors"
-_FIELD = "--model-path: quantization_config"
+_FIELD = "--model-path: quantization_config (compressed-tensors)"
 _KNOWN = {"quant_method", "config_groups", "format", "ignore", "kv_cache_scheme",
           "quantization_status", "global_compression_ratio", "sparsity_config", "transform_config",
           "version"}
@@ -24,7 +24,7 @@ def compressed_tensors_fields(quant: dict) -> dict:
     """ModelConfig's FP8 fields of a compressed-tensors config (ConfigError naming the field)."""
     unknown = sorted(set(quant) - _KNOWN)
     if unknown:
-        raise ConfigError(f"{_FIELD} field {unknown[0]!r} is not supported (compressed-tensors)")
+        raise ConfigError(f"{_FIELD} field {unknown[0]!r} is not supported")
     _expect(quant, "format", "float-quantized", "FP8 weights stored as float8_e4m3fn")
     _expect(quant, "quantization_status", "compressed", "weights stored quantized")
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
