@@ -9,6 +9,8 @@ in the model is ``models/common/quantized.py``.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -21,8 +23,10 @@ _SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 def _skipped(module: str, skip: tuple[str, ...]) -> bool:
-    """Entries match whole name components: 'mlp.gate' is not 'mlp.gate_proj'."""
-    return any(module == s or module.endswith("." + s) or module.startswith(s + ".") for s in skip)
+    """Entries match whole name components: 'mlp.gate' is not 'mlp.gate_proj'; a 're:' entry
+    (compressed-tensors' ``ignore``) is a regular expression matched from the name's start."""
+    return any(re.match(s[3:], module) if s.startswith("re:") else
+               module == s or module.endswith("." + s) or module.startswith(s + ".") for s in skip)
 
 
 def quantized_names(model: nn.Module, cfg: ModelConfig) -> list[str]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from graphcp.checkpoint import fp8
+from graphcp.checkpoint.compressed_tensors import ScaleNamesReader
 from graphcp.checkpoint.config import read_model_config
 from graphcp.checkpoint.files import SafetensorsReader, weight_files
 from graphcp.checkpoint.gguf import GGUFReader
@@ -22,6 +23,7 @@ from graphcp.errors import ConfigError
 from graphcp.kernels.fp8_types import FP8
 from graphcp.models.common.decoder import DecoderLM
 from graphcp.models.common.quantized import attach
+from graphcp.models.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from graphcp.models.config import ModelConfig
 from graphcp.models.registry import family_of
 
@@ -41,6 +43,8 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TP
         weight_files(model_path))
     if family.rename_tensors is not None:      # a release's own names, seen as the model's
         reader = family.rename_tensors(reader)
+    if cfg.fp8_format == COMPRESSED_TENSORS:    # its scales under the block format's names
+        reader = ScaleNamesReader(reader)
     names = set(reader.shapes)
     expected, quantized = checkpoint_tensors(cfg, names)
     _check_names_and_shapes(cfg, expected, reader, quantized, family.unused_tensors(cfg))

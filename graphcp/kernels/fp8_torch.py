@@ -22,7 +22,10 @@ def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [N, K] in ``dtype``: each element times its block's scale, in fp32. Tensor ops
     only (no new constants), so a captured graph may hold it."""
     k = w.weight.shape[1]
-    scale = w.scale.index_select(0, w.scale_rows).repeat_interleave(w.block[1], dim=1)
+    scale = w.scale.index_select(0, w.scale_rows)
+    if scale.shape[1] == 1:     # one K block spans the row (per-channel scales): broadcast
+        return (w.weight.float() * scale).to(dtype)
+    scale = scale.repeat_interleave(w.block[1], dim=1)
     return (w.weight.float() * scale[:, w.k_offset:w.k_offset + k]).to(dtype)
 
 
@@ -49,11 +52,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
 
 def gemm_available(device: torch.device, block: tuple[int, int]) -> bool:
     """Whether the Triton GEMM can run here: FP8 tensor cores (compute capability 8.9+) and a
-    power-of-two K block of at least 16 (one K tile per block)."""
+    power-of-two K block of 16 to 256 (one K tile per block: per-channel scales, one K block per
+    row, take the dequantizing form)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
     k = block[1]
-    return torch.cuda.get_device_capability(device) >= (8, 9) and k >= 16 and k & (k - 1) == 0
+    return torch.cuda.get_device_capability(device) >= (8, 9) and 16 <= k <= 256 \
+        and k & (k - 1) == 0
 
 
 def probe_gemm(choices: KernelChoices, weight: Fp8Weight | None, dtype: torch.dtype) -> None:

@@ -11,6 +11,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# A K block wider than any weight row: block (1, WHOLE_ROW) is one scale per output row, the
+# per-channel format (compressed-tensors' strategy "channel", scales [N, 1]).
+WHOLE_ROW = 1 << 30
 
 
 @dataclass

@@ -8,6 +8,8 @@ from typing import Any
 
 from graphcp.errors import ConfigError
 from graphcp.models.common.rope import read_rope, rope_positions
+from graphcp.models.compressed_tensors import FORMAT as COMPRESSED_TENSORS
+from graphcp.models.compressed_tensors import compressed_tensors_fields
 
 # Bounds that stop a hostile config from allocating absurd memory before weights are read.
 LIMITS = {"vocab_size": 1 << 20, "hidden_size": 65536, "num_hidden_layers": 512,
@@ -39,6 +41,7 @@ class ModelConfig:
     fp8_block: tuple[int, int] | None = None   # FP8 checkpoint: weight_block_size (output rows, input columns)
     fp8_skip: tuple[str, ...] = ()              # FP8 checkpoint: modules left unquantized (modules_to_not_convert)
     fp8_scale_fmt: str = "float"                # FP8 checkpoint: "ue8m0": every block scale a power of two
+    fp8_format: str = "fp8"     # FP8 checkpoint: "fp8" (scales ``*_scale_inv``) or "compressed-tensors"
     num_experts: int = 0                # MoE: routed experts, 0 for dense models
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -100,7 +103,6 @@ def base_fields(f: Fields, head_dim_key: str = "head_dim", head_dim_fallback: bo
         raise ConfigError(f"--model-path: {head_dim_key}={head_dim!r} must be an even positive integer")
     if f.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"--model-path: hidden_act {f.get('hidden_act')!r} is not supported (silu)")
-    block, skip, scale_fmt = fp8_quantization(f.get("quantization_config"))
     return dict(vocab_size=f.need("vocab_size"), hidden_size=hidden,
                 intermediate_size=f.need("intermediate_size"),
                 num_hidden_layers=f.need("num_hidden_layers"), num_attention_heads=heads,
@@ -108,7 +110,7 @@ def base_fields(f: Fields, head_dim_key: str = "head_dim", head_dim_fallback: bo
                 rms_norm_eps=float(f.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(f.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
-                fp8_block=block, fp8_skip=skip, fp8_scale_fmt=scale_fmt)
+                **quantization_fields(f.get("quantization_config")))
 
 
 def rope_fields(raw: dict, rope_dim: int, max_position_embeddings: int) -> dict:
@@ -160,6 +162,15 @@ def check_sizes(cfg: ModelConfig, source: str) -> None:
     if params > 2 * 10**12:
         raise ConfigError(f"--model-path: {source} describes {params / 1e9:.0f}B parameters, beyond "
                           "any machine")
+
+
+def quantization_fields(quant: object) -> dict:
+    """ModelConfig's FP8 fields of a ``quantization_config``: the DeepSeek/Qwen block format or a
+    compressed-tensors one (``models/compressed_tensors.py``)."""
+    if isinstance(quant, dict) and quant.get("quant_method") == COMPRESSED_TENSORS:
+        return compressed_tensors_fields(quant)
+    block, skip, scale_fmt = fp8_quantization(quant)
+    return dict(fp8_block=block, fp8_skip=skip, fp8_scale_fmt=scale_fmt)
 
 
 def fp8_quantization(quant: object) -> tuple[tuple[int, int] | None, tuple[str, ...], str]:

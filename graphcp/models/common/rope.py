@@ -67,6 +67,31 @@ def read_rope(raw: dict, rope_dim: int, max_positions: int) -> tuple[float, dict
     return float(theta), None if rope_type == "default" else params
 
 
+def partial_rotary(raw: dict, head_dim: int) -> tuple[int, dict]:
+    """(rotary dim, the config as ``read_rope`` should then see it) of a model whose attention
+    rotates the first ``int(head_dim * partial_rotary_factor)`` dims of each head and passes the
+    rest (HF's GLM-4.5 and Qwen3-Next attention): the factor is the rope parameters' own, else the
+    top-level one (a family's default filled in there), else 1; it sets the rotary dim, so the
+    reader does not apply it again. ``proportional`` rope keeps the whole head (HF builds its table
+    over the head, the still angles included)."""
+    source = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    params = raw.get(source) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"--model-path: {source} must be a mapping, got {params!r}")
+    if params.get("rope_type", params.get("type")) == "proportional":
+        return head_dim, raw
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    factor = 1.0 if factor is None else factor
+    numeric = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    rotary = int(head_dim * factor) if numeric and 0 < factor <= 1 else 0
+    if rotary < 2 or rotary % 2:
+        raise ConfigError(f"--model-path: partial_rotary_factor={factor!r} must give an even "
+                          f"rotary size in (0, head_dim={head_dim}]")
+    rest = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    config = {k: v for k, v in raw.items() if k not in ("partial_rotary_factor", "rope_scaling")}
+    return rotary, {**config, "rope_parameters": None, source: rest or None}
+
+
 def _check_values(params: dict, source: str, rope_dim: int, max_positions: int) -> None:
     rope_type = params["rope_type"]
     for key in _POSITIVE + _FALSY_IS_DEFAULT:

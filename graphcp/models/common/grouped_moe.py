@@ -1,13 +1,13 @@
-"""DeepSeek's MoE block: a grouped top-k router over the routed experts plus always-on shared
-experts.
+"""The MoE block of the DeepSeek lineage (DeepSeek-V3 / V3.2, Kimi-K2, GLM-5, GLM-4.5 / 4.6 / 4.7):
+a grouped top-k sigmoid router over the routed experts plus always-on shared experts.
 
-The routed experts reuse graphcp's ``Experts`` and the forward context's MoE communicator (EP and
-the token flows compose as for Qwen3-MoE); the shared experts are a dense gated MLP split like the
-dense FFN.
+The routed experts reuse ``Experts`` and the forward context's MoE communicator (EP and the token
+flows compose as for Qwen3-MoE); the shared experts are a dense gated MLP split like the dense FFN.
+A family gives its routing values as a ``GroupedRouting``.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -17,26 +17,34 @@ from graphcp.forward_context import current_moe_communicator
 from graphcp.models.common.mlp import GatedMLP
 from graphcp.models.common.moe import Experts
 from graphcp.models.config import ModelConfig
-from graphcp.models.deepseek.config import MLAConfig
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """The router's grouping and scaling, and the shared experts' count (each as wide as a routed
+    expert: ``n_shared_experts * moe_intermediate_size`` features)."""
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    n_shared_experts: int
 
 
 class GroupedTopKRouter(nn.Module):
-    """DeepSeek's router: sigmoid scores; groups ranked by their two best scores (with the
-    score-correction bias), experts chosen within the best ``topk_group`` groups; the weights are
-    the unbiased scores, optionally renormalised, times ``routed_scaling_factor``. fp32
-    throughout; its weights stay fp32 in a bf16 model, as HF keeps them."""
+    """Sigmoid scores; groups ranked by their two best scores (with the score-correction bias),
+    experts chosen within the best ``topk_group`` groups; the weights are the unbiased scores,
+    optionally renormalised, times ``routed_scaling_factor``. fp32 throughout; its weights stay fp32
+    in a bf16 model, as HF keeps them."""
 
     keep_fp32 = True
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, routing: GroupedRouting) -> None:
         super().__init__()
-        d = MLAConfig.of(cfg)
         experts = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.empty(experts), requires_grad=False)
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.groups, self.topk_group = d.n_group, d.topk_group
-        self.scaling = d.routed_scaling_factor
+        self.groups, self.topk_group = routing.n_group, routing.topk_group
+        self.scaling = routing.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] in x's dtype, expert ids [N, k] int64)."""
@@ -54,12 +62,15 @@ class GroupedTopKRouter(nn.Module):
         return (weights * self.scaling).to(x.dtype), ids
 
 
-class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ep: EPInfo, ffn_tp: TPInfo) -> None:
+class GroupedTopKMoE(nn.Module):
+    """Routed experts (grouped top-k) plus the shared experts, summed."""
+
+    def __init__(self, cfg: ModelConfig, routing: GroupedRouting, ep: EPInfo,
+                 ffn_tp: TPInfo) -> None:
         super().__init__()
-        self.gate = GroupedTopKRouter(cfg)
+        self.gate = GroupedTopKRouter(cfg, routing)
         self.experts = Experts(cfg, ep)
-        shared = MLAConfig.of(cfg).n_shared_experts * cfg.moe_intermediate_size
+        shared = routing.n_shared_experts * cfg.moe_intermediate_size
         shared_cfg = replace(cfg, intermediate_size=shared, mlp_bias=False)
         self.shared_experts = GatedMLP(shared_cfg, ffn_tp) if shared else None
 
