@@ -355,7 +355,9 @@ class ModelRunner:
     def collective_counts(self) -> dict:
         comm = self.par.comm
         return {"all_gathers": comm.num_all_gathers if comm else 0,
-                "all_reduces": comm.num_all_reduces if comm else 0}
+                "all_reduces": comm.num_all_reduces if comm else 0,
+                "gathered_bytes": dict(comm.gathered_bytes) if comm else {},
+                "gathered_layers": dict(comm.gathered_layers) if comm else {}}
 
 
 def _normalize(device: torch.device) -> torch.device:

@@ -46,6 +46,7 @@ class AttentionBackend:
     kinds: dict[int, LayerKind]
     kernels: AttentionKernels
     attn_tp: int
+    halo: bool = False      # sliding layers gather only their window's halo (nothing else reads the cache)
 
     @property
     def kernel_name(self) -> str:
@@ -76,7 +77,7 @@ class AttentionBackend:
 
     def ops(self, pool: PagedPool, meta: CPMetadata, comm: CPComm | None, host: HostMaxima,
             last: LastTokens | None = None) -> LayerOps:
-        ctx = AttentionContext(self.cfg, pool, meta, comm, host, self.kernels, last)
+        ctx = AttentionContext(self.cfg, pool, meta, comm, host, self.kernels, last, self.halo)
         return LayerOps(self.kinds, ctx)
 
     def export(self, layer: int, rows: tuple[torch.Tensor, ...]) -> tuple:
@@ -109,7 +110,10 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
                      windowed.name, kernel.name, reason or "failed its check with them")
     dsa = resolve_dsa(args.attention_kernel, device) if "dsa" in needed else None
     split = args.resolved_backend() == "flashattention"
-    return AttentionBackend(cfg, kinds, AttentionKernels(kernel, split, dsa, windowed, reason), atp)
+    # A PD transfer or a layer split reads every cached row: their sliding layers gather everything.
+    halo = args.disaggregation_mode == "null" and not args.enable_dsa_cache_layer_split
+    return AttentionBackend(cfg, kinds, AttentionKernels(kernel, split, dsa, windowed, reason), atp,
+                            halo)
 
 
 __all__ = ["AttentionBackend", "LayerOps", "build"]

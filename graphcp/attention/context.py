@@ -36,10 +36,11 @@ class AttentionContext:
     host: HostMaxima
     kernels: AttentionKernels
     last: LastTokens | None = None   # the last layer attends for each request's last token only
+    halo: bool = False      # sliding layers may gather only their window's halo (nothing reads more)
 
-    def all_gather(self, rows):
+    def all_gather(self, rows, label: str = "full"):
         """``rows`` of every CP rank, rank-major (one collective; the rows themselves at CP 1)."""
         if self.meta.cp_size == 1:
             return rows
         out = rows.new_empty((self.meta.cp_size * rows.shape[0],) + tuple(rows.shape[1:]))
-        return self.comm.all_gather(out, rows.contiguous())
+        return self.comm.all_gather(out, rows.contiguous(), label)

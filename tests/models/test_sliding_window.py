@@ -1,8 +1,10 @@
 """Sliding-window models served past the window, equal to HF transformers (fp32, rel err <= 1e-4).
 
 Which layers attend through the window is read as transformers 5 reads the config (checked against
-transformers' own config classes). The engine runs 116-token requests (7x a 16-token window) in
-chunks, at CP 1, 2 and 4, zigzag (graphs) and interleave, graph and eager. Compared with HF on each
+transformers' own config classes). The engine runs 116-token requests (7x Mistral's 16-token
+window, 14x Qwen3's 8) in chunks, at CP 1, 2 and 4, zigzag (graphs) and interleave, graph and eager;
+zigzag's sliding layers all-gather only each block's last W - 1 rows (checked by the bytes the
+collective moved beside a full layer's). Compared with HF on each
 request's whole history: the last token's logits, and per layer the K/V the cache holds: every
 token's for full layers, the last W - 1 tokens' for sliding layers (HF's DynamicSlidingWindowLayer
 keeps exactly those; ``engine.kv_cache`` returns the same, which is all a later chunk reads).
@@ -18,7 +20,7 @@ from testkit.parity import Session, graph_and_eager, random_ids
 from graphcp import ConfigError, Request
 from graphcp.models.llama.config import sliding_layers
 
-WINDOW, VOCAB, LONG = 16, 211, 116
+WINDOW, QWEN3_WINDOW, VOCAB, LONG = 16, 8, 211, 116
 SLIDING = "sliding_attention"
 QWEN3_TYPES = [SLIDING, "full_attention", SLIDING]
 
@@ -70,21 +72,37 @@ def mistral(ckpt_dir):
 
 @pytest.fixture(scope="module")
 def qwen3(ckpt_dir):
-    return make_checkpoint(str(ckpt_dir / "qwen3-w16"), "qwen3", num_hidden_layers=3,
-                           use_sliding_window=True, sliding_window=WINDOW, layer_types=QWEN3_TYPES)
+    return make_checkpoint(str(ckpt_dir / "qwen3-w8"), "qwen3", num_hidden_layers=3,
+                           use_sliding_window=True, sliding_window=QWEN3_WINDOW,
+                           layer_types=QWEN3_TYPES)
 
 
-def _serve(engine, oracle, path, graph: bool) -> None:
+def _gathered(engine) -> dict:
+    counts = engine.collective_counts()
+    return {k: (counts["gathered_bytes"].get(k, 0), counts["gathered_layers"].get(k, 0))
+            for k in ("sliding", "full")}
+
+
+def _serve(engine, oracle, path, graph: bool) -> list[tuple]:
     """Three requests: one whole (116 tokens), one in chunks of 50 + 66, one shorter than the
-    window then extended past it; then a third chunk on a request's window-only cache."""
+    window then extended past it; then a third chunk on a request's window-only cache. Returns
+    per batch (output, requests, gathered (bytes, collectives) per kind of layer)."""
     s = Session(engine, oracle, path)
     ids = [random_ids(LONG, VOCAB, seed) for seed in range(3)]
-    out = s.run([("a", ids[0][:50]), ("b", ids[1][:9]), ("c", ids[2])])
-    assert out.mode == ("graph" if graph else "eager"), out.eager_reason
-    s.run([("a", ids[0][50:]), ("b", ids[1][9:])])
-    s.run([("b", random_ids(2 * WINDOW + 3, VOCAB, 7))])
+    batches = [[("a", ids[0][:50]), ("b", ids[1][:9]), ("c", ids[2])],
+               [("a", ids[0][50:]), ("b", ids[1][9:])], [("b", random_ids(LONG, VOCAB, 7))]]
+    moved = []
+    for i, batch in enumerate(batches):
+        before = _gathered(engine)
+        out = s.run(batch)
+        if i == 0:
+            assert out.mode == ("graph" if graph else "eager"), out.eager_reason
+        after = _gathered(engine)
+        moved.append((out, len(batch),
+                       {k: tuple(a - b for a, b in zip(after[k], before[k])) for k in after}))
     s.release_all()
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
+    return moved
 
 
 @pytest.mark.parametrize("model", ["mistral", "qwen3"])
@@ -104,11 +122,32 @@ CP_CASES = [("mistral", 2, "zigzag"), ("mistral", 4, "interleave"),
 
 @pytest.mark.parametrize("model,cp,strategy", CP_CASES, ids=[f"{m}-cp{c}-{s}" for m, c, s in CP_CASES])
 def test_context_parallel_serves_past_the_window(request, engines, oracle, model, cp, strategy):
-    """Zigzag's blocks (14-15 tokens at CP 4: under the window, so a block's window reaches
-    back over several ranks' blocks) and interleave's strided rows, chunked over cached prefixes."""
+    """Zigzag's blocks (1-2 tokens of the 9-token chunk at CP 4, so a window reaches back over
+    several ranks' blocks) and interleave's strided rows, chunked over cached prefixes. Zigzag's
+    sliding layers gather each block's last W - 1 rows where that is less than all of them."""
     path = request.getfixturevalue(model)
-    engine = engines.get(path, **cp_kwargs(cp, strategy, cuda_graph_buckets=[32, 64, 128, 256]))
-    _serve(engine, oracle, path, graph=strategy == "zigzag")
+    engine = engines.get(path, **cp_kwargs(cp, strategy, cuda_graph_buckets=[32, 64, 128, 256],
+                                           max_batch_requests=4))
+    moved = _serve(engine, oracle, path, graph=strategy == "zigzag")
+    sliding_layers, full_layers = {"mistral": (2, 0), "qwen3": (2, 1)}[model]
+    window, head_dim = (WINDOW, 16) if model == "mistral" else (QWEN3_WINDOW, 32)
+    row_bytes = cp * 2 * 2 * head_dim * 4           # per gathered row: C ranks x (K, V) x 2 heads, fp32
+    halos = 0
+    for out, requests, batch in moved:
+        assert out.cp_applied
+        # rows per rank the layout pads to; a graph holds max_batch_requests (4) requests
+        align = 2 * cp if strategy == "zigzag" else cp
+        local = out.graph_bucket or -(-max(out.per_rank_tokens) // align) * align
+        halo = 2 * (4 if out.graph_bucket else requests) * (window - 1)
+        if strategy == "interleave" or halo >= local:      # a window spans every rank: all rows move
+            assert batch["sliding"] == (0, 0)
+            assert batch["full"] == (local * row_bytes * (sliding_layers + full_layers),
+                                     sliding_layers + full_layers)
+            continue
+        halos += 1
+        assert batch["sliding"] == (halo * row_bytes * sliding_layers, sliding_layers)
+        assert batch["full"] == (local * row_bytes * full_layers, full_layers)
+    assert halos >= (2 if strategy == "zigzag" else 0)
     if strategy == "zigzag":
         batch = [Request(f"g{i}", random_ids(n, VOCAB, 30 + i)) for i, n in enumerate([LONG, 4 * cp])]
         graph, eager = graph_and_eager(engine, batch)
