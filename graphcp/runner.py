@@ -70,8 +70,9 @@ class ModelRunner:
                                  and self.model.prunes_last_layer())
         write = self.kernels.get("kv_write")
         graph_buckets, latent = graph_reserve(args, cfg, self.device.type)
-        cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions, write,
-                          state_parts=self.attention.state_parts(), weight_bytes=self.weight_bytes,
+        cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
+                          write, state_parts=self.attention.state_parts(),
+                          weight_bytes=self.weight_bytes,
                           graph_buckets=graph_buckets, latent=latent)
         self.pool, self.max_context = cache.pool, cache.max_context
         # Adaptive CP: its threshold and weights measured by eager forwards, before the planner and
@@ -290,7 +291,8 @@ class ModelRunner:
             return None
         slots, state = slots.to(self.device), self.planner.state_slot(rid)
         held = self.pool.held_layers(self.par.layers)       # LayerSplit: only this CP rank's layers
-        rows = [self.pool.read(layer, self._kept(layer, slots)) + self.pool.states.read(layer, state)
+        rows = [self.pool.read(layer, self._kept(layer, slots))
+                + self.pool.states.read(layer, state)
                 for layer in held]
         layers = [self.attention.export(layer, parts) for layer, parts in zip(held, rows)]
         me = self.par.me

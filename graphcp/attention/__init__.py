@@ -46,7 +46,7 @@ class AttentionBackend:
     kinds: dict[int, LayerKind]
     kernels: AttentionKernels
     attn_tp: int
-    halo: bool = False      # sliding layers gather only their window's halo (nothing else reads the cache)
+    halo: bool = False      # sliding layers gather only their window's halo (none reads more)
 
     @property
     def kernel_name(self) -> str:
@@ -96,8 +96,9 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
     reason = None
     if "attention" in needed:
         heads = (cfg.num_attention_heads // atp, cfg.num_key_value_heads // atp)
-        choose = functools.partial(resolve_kernel, device=device, dtype=dtype, head_dim=cfg.head_dim,
-                                   bottom_right=bottom_right, heads=heads, page_size=args.page_size)
+        choose = functools.partial(resolve_kernel, device=device, dtype=dtype,
+                                   head_dim=cfg.head_dim, bottom_right=bottom_right, heads=heads,
+                                   page_size=args.page_size)
         kernel = KERNELS[choose(args.attention_kernel)]
         # Sliding-window and sink layers (which a model shows only when it calls): a kernel that
         # cannot serve them is refused for those layers, an explicit flashinfer included.

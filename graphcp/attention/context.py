@@ -36,7 +36,7 @@ class AttentionContext:
     host: HostMaxima
     kernels: AttentionKernels
     last: LastTokens | None = None   # the last layer attends for each request's last token only
-    halo: bool = False      # sliding layers may gather only their window's halo (nothing reads more)
+    halo: bool = False      # sliding layers may gather just their window's halo (none reads more)
 
     def all_gather(self, rows, label: str = "full"):
         """``rows`` of every CP rank, rank-major (one collective; the rows themselves at CP 1)."""

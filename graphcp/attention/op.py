@@ -1,8 +1,9 @@
-"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``, with
-``rows=`` (only those rows attend) and ``sinks=`` (per-head sink logits [local heads], gpt-oss) as options.
-A layer in ``ModelConfig.sliding_layers`` attends through the model's window (keys p - W < j <= p); under
-zigzag it writes its own rows and all-gathers only the halo the window needs (``cp.metadata.window_halo``:
-each block's last W - 1 tokens), where nothing else reads its cache (no PD transfer, no layer split).
+"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``,
+with ``rows=`` (only those rows attend) and ``sinks=`` (per-head sink logits [local heads], gpt-oss)
+as options. A layer in ``ModelConfig.sliding_layers`` attends through the model's window (keys
+p - W < j <= p); under zigzag it writes its own rows and all-gathers only the halo the window needs
+(``cp.metadata.window_halo``: each block's last W - 1 tokens), where nothing else reads its cache
+(no PD transfer, no layer split).
 
 Per layer: all-gather this rank's K/V across the CP group (one collective for both), write every gathered
 row to its paged-cache slot (padding rows go to the dummy slot), then run the kernel on the local queries.
@@ -77,7 +78,8 @@ class PagedAttention:
                      if ctx.halo and window and meta.cp_size > 1 else None)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rows: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]; with
         ``rows`` (each request's last-token row, ``ctx.last``) the K/V of every token are cached but
         only those rows attend: [R, Hq, D]. ``sinks`` [Hq]: one logit per head joins each row's
@@ -89,7 +91,7 @@ class PagedAttention:
             self._write_halo(layer_id, k, v)
         else:
             if meta.cp_size > 1:
-                gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))       # [C * B, 2, Hkv, D]
+                gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))   # [C * B, 2, Hkv, D]
                 k, v = gathered[:, 0], gathered[:, 1]
             pool.write_kv(layer_id, meta.gather_slots, k, v, meta.gather_runs)
         queries, split = (meta.cu_seqlens_q, meta.page_rows, meta.q_limits), self.early_sequences
@@ -114,7 +116,7 @@ class PagedAttention:
         mine = meta.gather_slots.view(meta.cp_size, meta.local_cap)[self.ctx.comm.rank]
         self.pool.write_kv(layer_id, mine, k, v)
         rows = torch.stack((k, v), dim=1).index_select(0, send_rows)
-        gathered = self.ctx.all_gather(rows, "sliding")                          # [C * H, 2, Hkv, D]
+        gathered = self.ctx.all_gather(rows, "sliding")                      # [C * H, 2, Hkv, D]
         self.pool.write_kv(layer_id, slots, gathered[:, 0], gathered[:, 1])
 
 

@@ -168,7 +168,8 @@ def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, pa
         block_lens=extend_lens[:, None])
 
 
-def window_halo(meta: CPMetadata, rank: int, window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def window_halo(meta: CPMetadata, rank: int,
+                window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rows a sliding-window layer all-gathers under zigzag: of each block, its last
     min(len, W - 1) tokens. A query at position p reads keys p - W < j <= p: beyond its own block,
     only the last W - 1 tokens of earlier blocks; and the next chunk reads the request's last

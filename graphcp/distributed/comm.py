@@ -104,7 +104,8 @@ class CPComm:
 # The counters live inside the (break) functions, so a graph replay counts its collectives too.
 def _kv_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor, label: str) -> torch.Tensor:
     comm.num_all_gathers += 1
-    comm.gathered_bytes[label] = comm.gathered_bytes.get(label, 0) + out.numel() * out.element_size()
+    nbytes = out.numel() * out.element_size()
+    comm.gathered_bytes[label] = comm.gathered_bytes.get(label, 0) + nbytes
     comm.gathered_layers[label] = comm.gathered_layers.get(label, 0) + 1
     with nvtx_range("all_gather_kv"):
         return _all_gather_into(out, inp, comm.group)

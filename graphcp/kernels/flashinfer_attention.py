@@ -10,9 +10,10 @@ Two entry points, chosen by the GPU:
 
 Both assume bottom-right-causal sequences (query i of a row sees kv_len - q_len + i + 1 keys). That holds for
 zigzag rows and for a single rank, not for interleave, whose per-token limits only the Triton and torch kernels
-honour; ``resolve_kernel`` never pairs flashinfer with interleave. Neither entry point is given a sliding
-window or attention sinks here (this glue was never run with them on a GPU): layers that need either get
-another kernel (``attention.build``), and a call with them is refused rather than run without them.
+honour; ``resolve_kernel`` never pairs flashinfer with interleave.
+Neither entry point is given a sliding window or attention sinks here (this glue was never run with
+them on a GPU): layers that need either get another kernel (``attention.build``), and a call with
+them is refused rather than run without them.
 """
 from __future__ import annotations
 

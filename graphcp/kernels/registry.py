@@ -41,7 +41,7 @@ class KernelArgs:
     out: torch.Tensor            # [T, Hq, D] written in place
     page_size: int
     scale: float
-    window: int = 0              # > 0: each query sees only its last ``window`` keys (sliding layers)
+    window: int = 0              # > 0: each query sees only its last ``window`` keys (sliding)
     sinks: torch.Tensor | None = None   # [Hq] per-head sink logits in every row's softmax (gpt-oss)
 
 

@@ -116,8 +116,8 @@ def resolve_dsa(requested: str, device: torch.device) -> ModuleType:
 
 
 def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   bottom_right: bool = True, heads: tuple[int, int] | None = None, page_size: int = 16,
-                   window_or_sinks: bool = False) -> str:
+                   bottom_right: bool = True, heads: tuple[int, int] | None = None,
+                   page_size: int = 16, window_or_sinks: bool = False) -> str:
     """The kernel behind the attention backend. An explicit choice that cannot serve is a ConfigError
     naming the flag; ``auto`` takes flashinfer where it is installed, fits and passes its check, then
     Triton on CUDA, then torch. ``bottom_right`` is False for interleave, whose per-token causal limits

@@ -4,8 +4,8 @@ Contract shared by every kernel: queries ``q`` [T, Hq, D] grouped into sequences
 sequence reads keys of its page-table row; query i of a sequence sees keys [0, q_limits[i]), which for a
 plain sequence is bottom-right causal (kv_len - q_len + i + 1); limits never decrease within a sequence.
 GQA: query head h reads kv head h // (Hq/Hkv). Rows past the last sequence are written as zeros.
-Two keyword options: ``window`` W > 0 narrows query i to keys [q_limits[i] - W, q_limits[i]) (a key's
-index is its position, so a query at position p sees p - W < j <= p, as transformers' sliding
+Two keyword options: ``window`` W > 0 narrows query i to keys [q_limits[i] - W, q_limits[i])
+(a key's index is its position, so a query at position p sees p - W < j <= p, as transformers' sliding
 window); ``sinks`` [Hq] adds one logit per head to every row's softmax denominator (gpt-oss's
 attention sinks), which attends no value.
 """
@@ -74,7 +74,7 @@ def _host_groups(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: 
         limits = np.where(q_valid, lim[q_idx], 1)
         # The mask is kept for every layer when small; a long prompt's is made chunk by chunk.
         small = q_idx.size * max_kv <= _MASK_ELEMENTS
-        mask = _visible(key_pos, limits, window)[:, None] if small else None     # [G, 1, max_q, max_kv]
+        mask = _visible(key_pos, limits, window)[:, None] if small else None  # [G, 1, q, kv]
         yield q_idx, q_valid, slots, mask, limits, key_pos
 
 
@@ -127,17 +127,20 @@ def _visible(key_pos, limits, window: int):
 
 def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
-                          max_q: int, max_kv: int, out: torch.Tensor, *, workspace: dict | None = None,
-                          window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          max_q: int, max_kv: int, out: torch.Tensor, *,
+                          workspace: dict | None = None, window: int = 0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """At most two padded SDPA calls (more for long prompts: queries in chunks, so the masked path never
-    materialises more than ``_SCORE_BYTES`` of scores); ``max_q``/``max_kv`` only tell an empty batch apart.
+    materialises more than ``_SCORE_BYTES`` of scores); ``max_q``/``max_kv`` only tell an empty
+    batch apart.
     With ``sinks`` the softmax is written out (SDPA takes no extra logit)."""
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
     hq, hkv = q.shape[1], k_pool.shape[1]
-    layout = per_forward(workspace, f"torch{page_size}/{hq}/{hkv}/{window}", (cu_seqlens_q, page_rows, q_limits),
-                         lambda: head_major_layout(cu_seqlens_q, page_rows, q_limits, page_size, hq, hkv, window))
+    meta = (cu_seqlens_q, page_rows, q_limits)
+    layout = per_forward(workspace, f"torch{page_size}/{hq}/{hkv}/{window}", meta,
+                         lambda: head_major_layout(*meta, page_size, hq, hkv, window))
     for slots, kv_heads, chunks in layout:
         k, v = k_pool[slots, kv_heads], v_pool[slots, kv_heads]                 # [G, Hkv, max_kv, D]
         for q_idx, q_heads, seq, row, rows, mask, limits, key_pos in chunks:
@@ -167,7 +170,7 @@ def _softmax_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     head's sink logit, whose probability is dropped (it attends nothing)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()             # [G, Hq, max_q, max_kv]
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()       # [G, Hq, q, kv]
     scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

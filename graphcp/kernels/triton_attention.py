@@ -28,8 +28,8 @@ from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 
 
 @triton.jit
-def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, stride_ks, stride_kd,
-               stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
+def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, stride_ks,
+               stride_kd, stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
                MASKED: tl.constexpr, WIDE: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages; masked: each
@@ -137,18 +137,18 @@ def _paged_attn_kernel(
         for start in range(first, head_end, BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
                                        v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
-                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True,
-                                       WIDE)
+                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
+                                       True, WIDE)
         for start in range(full_start, tl.where(whole, full_end, full_start), BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
                                        v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
-                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False,
-                                       WIDE)
+                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
+                                       False, WIDE)
         for start in range(tl.where(whole, full_end, hi), hi, BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
                                        v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
-                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True,
-                                       WIDE)
+                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
+                                       True, WIDE)
         if HAS_SINKS:       # the head's sink logit joins every row's denominator (log2 domain)
             sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
             m_new = tl.maximum(m_i, sink)

@@ -35,7 +35,7 @@ class ModelConfig:
     qk_norm: bool = False
     o_bias: bool = False         # o_proj bias (Llama and Qwen3 with attention_bias)
     mlp_bias: bool = False       # gate/up/down biases (Llama's mlp_bias)
-    sliding_window: int | None = None   # W: a sliding layer's query at position p sees keys p-W < j <= p
+    sliding_window: int | None = None   # W: a sliding layer's query at p sees keys p-W < j <= p
     sliding_layers: tuple[int, ...] = ()  # the layers that attend through the window (others fully)
     fp8_block: tuple[int, int] | None = None   # FP8 checkpoint: weight_block_size (output rows, input columns)
     fp8_skip: tuple[str, ...] = ()              # FP8 checkpoint: modules left unquantized (modules_to_not_convert)

@@ -54,7 +54,8 @@ def _layout(gen, strategy, cp, rank, extend, prefix, page_size, hkv, d, pad):
     kv = (extend_t + prefix_t).tolist()
     pages = max(1, max(-(-n // page_size) for n in kv))
     num_pages = 1 + len(kv) * pages + 2
-    table = (torch.randperm(num_pages - 1, generator=gen)[:len(kv) * pages] + 1).view(len(kv), pages)
+    table = torch.randperm(num_pages - 1, generator=gen)[:len(kv) * pages] + 1
+    table = table.view(len(kv), pages)
     shape = (num_pages * page_size, hkv, d)
     pools = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     local_cap = max(make_strategy(strategy, cp).per_rank_tokens(extend)) + pad
@@ -111,7 +112,8 @@ def test_fused_kernel_reads_only_the_window(monkeypatch):
     q, pools, meta = _layout(gen, "zigzag", 1, 0, [600], [0], 16, 2, 16, 0)
     keys, flash = [], torch_sdpa._flash
     monkeypatch.setattr(torch_sdpa, "_flash",
-                        lambda *a, **k: keys.append(a[1].shape[2] * a[0].shape[2]) or flash(*a, **k))
+                        lambda *a, **k: keys.append(a[1].shape[2] * a[0].shape[2])
+                        or flash(*a, **k))
     out = _run(torch_sdpa_attention, q, pools, meta, 16, 32, None)
     rows = torch_sdpa._MASKED_BLOCK_ROWS
     assert sum(keys) <= 600 * (rows + 32) and sum(keys) < 600 * 601 // 4
@@ -149,5 +151,5 @@ def test_flashinfer_refuses_windows_and_sinks(monkeypatch):
     assert "sliding windows or attention sinks" in why
     q = torch.zeros(2, HQ, 64)
     with pytest.raises(ValueError, match="sliding window or attention sinks"):
-        flashinfer_paged_attention(q, q, q, torch.tensor([0, 2]), torch.zeros(1, 1), torch.tensor([1, 2]),
-                                   16, 0.1, 2, 2, q, window=4)
+        flashinfer_paged_attention(q, q, q, torch.tensor([0, 2]), torch.zeros(1, 1),
+                                   torch.tensor([1, 2]), 16, 0.1, 2, 2, q, window=4)

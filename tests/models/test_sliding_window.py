@@ -23,6 +23,7 @@ from graphcp.models.llama.config import sliding_layers
 WINDOW, QWEN3_WINDOW, VOCAB, LONG = 16, 8, 211, 116
 SLIDING = "sliding_attention"
 QWEN3_TYPES = [SLIDING, "full_attention", SLIDING]
+Q2, Q3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 
 
 def _hf_sliding(raw: dict, arch: str, layers: int) -> tuple:
@@ -31,7 +32,8 @@ def _hf_sliding(raw: dict, arch: str, layers: int) -> tuple:
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
         num_hidden_layers=layers, **raw)
     if arch in ("MistralForCausalLM", "Qwen3MoeForCausalLM"):
-        return (config.sliding_window, tuple(range(layers))) if config.sliding_window else (None, ())
+        window = config.sliding_window
+        return (window, tuple(range(layers))) if window else (None, ())
     sliding = tuple(i for i, t in enumerate(config.layer_types) if t == SLIDING)
     return (config.sliding_window, sliding) if sliding else (None, ())
 
@@ -39,12 +41,12 @@ def _hf_sliding(raw: dict, arch: str, layers: int) -> tuple:
 @pytest.mark.parametrize("raw,arch", [
     ({"sliding_window": 4096}, "MistralForCausalLM"),
     ({"sliding_window": None}, "MistralForCausalLM"),
-    ({"sliding_window": 64, "use_sliding_window": False, "max_window_layers": 0}, "Qwen2ForCausalLM"),
-    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, "Qwen2ForCausalLM"),
-    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3}, "Qwen2ForCausalLM"),
+    ({"sliding_window": 64, "use_sliding_window": False, "max_window_layers": 0}, Q2),
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, Q2),
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3}, Q2),
     ({"sliding_window": 64, "use_sliding_window": True, "layer_types": QWEN3_TYPES},
      "Qwen3ForCausalLM"),
-    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, "Qwen3ForCausalLM"),
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, Q3),
     ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2},
      "Qwen3MoeForCausalLM"),
     ({"sliding_window": 64, "use_sliding_window": False}, "Qwen3MoeForCausalLM"),
@@ -120,7 +122,8 @@ CP_CASES = [("mistral", 2, "zigzag"), ("mistral", 4, "interleave"),
             ("qwen3", 4, "zigzag"), ("qwen3", 2, "interleave")]
 
 
-@pytest.mark.parametrize("model,cp,strategy", CP_CASES, ids=[f"{m}-cp{c}-{s}" for m, c, s in CP_CASES])
+@pytest.mark.parametrize("model,cp,strategy", CP_CASES,
+                         ids=[f"{m}-cp{c}-{s}" for m, c, s in CP_CASES])
 def test_context_parallel_serves_past_the_window(request, engines, oracle, model, cp, strategy):
     """Zigzag's blocks (1-2 tokens of the 9-token chunk at CP 4, so a window reaches back over
     several ranks' blocks) and interleave's strided rows, chunked over cached prefixes. Zigzag's
@@ -131,7 +134,7 @@ def test_context_parallel_serves_past_the_window(request, engines, oracle, model
     moved = _serve(engine, oracle, path, graph=strategy == "zigzag")
     sliding_layers, full_layers = {"mistral": (2, 0), "qwen3": (2, 1)}[model]
     window, head_dim = (WINDOW, 16) if model == "mistral" else (QWEN3_WINDOW, 32)
-    row_bytes = cp * 2 * 2 * head_dim * 4           # per gathered row: C ranks x (K, V) x 2 heads, fp32
+    row_bytes = cp * 2 * 2 * head_dim * 4       # a gathered row: C ranks x (K, V) x 2 heads, fp32
     halos = 0
     for out, requests, batch in moved:
         assert out.cp_applied
@@ -139,7 +142,8 @@ def test_context_parallel_serves_past_the_window(request, engines, oracle, model
         align = 2 * cp if strategy == "zigzag" else cp
         local = out.graph_bucket or -(-max(out.per_rank_tokens) // align) * align
         halo = 2 * (4 if out.graph_bucket else requests) * (window - 1)
-        if strategy == "interleave" or halo >= local:      # a window spans every rank: all rows move
+        # interleave: a window spans every rank; or the halo would not be smaller: all rows move
+        if strategy == "interleave" or halo >= local:
             assert batch["sliding"] == (0, 0)
             assert batch["full"] == (local * row_bytes * (sliding_layers + full_layers),
                                      sliding_layers + full_layers)
@@ -149,6 +153,7 @@ def test_context_parallel_serves_past_the_window(request, engines, oracle, model
         assert batch["full"] == (local * row_bytes * full_layers, full_layers)
     assert halos >= (2 if strategy == "zigzag" else 0)
     if strategy == "zigzag":
-        batch = [Request(f"g{i}", random_ids(n, VOCAB, 30 + i)) for i, n in enumerate([LONG, 4 * cp])]
+        batch = [Request(f"g{i}", random_ids(n, VOCAB, 30 + i))
+                 for i, n in enumerate([LONG, 4 * cp])]
         graph, eager = graph_and_eager(engine, batch)
         assert graph.mode == "graph" and (graph.logits - eager.logits).abs().max() <= 1e-6

@@ -50,14 +50,17 @@ def sliding_layers(raw: dict, arch: str, num_layers: int) -> tuple[int | None, t
     """(window W, the layers attending through it) as transformers 5 reads the config: Mistral's
     ``sliding_window`` windows every layer; Qwen2/Qwen3/Qwen3-MoE only with ``use_sliding_window``,
     Qwen3-MoE on every layer, Qwen2/Qwen3 on the ``layer_types`` marked "sliding_attention" (or,
-    without them, the layers from ``max_window_layers`` on); Llama never. No sliding layer: (None, ())."""
+    without them, the layers from ``max_window_layers`` on); Llama never. No sliding layer:
+    (None, ())."""
     if arch == "LlamaForCausalLM":
         return None, ()
     window = raw.get("sliding_window")
     if arch != "MistralForCausalLM" and not raw.get("use_sliding_window", False):
         window = None
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ConfigError(f"--model-path: sliding_window={window!r} must be a positive integer or null")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or window < 1):
+        raise ConfigError(f"--model-path: sliding_window={window!r} must be a positive integer "
+                          "or null")
     if arch in ("MistralForCausalLM", "Qwen3MoeForCausalLM"):
         layers = tuple(range(num_layers)) if window else ()
     elif raw.get("layer_types") is not None:
@@ -72,7 +75,8 @@ def sliding_layers(raw: dict, arch: str, num_layers: int) -> tuple[int | None, t
 
 def _typed_sliding_layers(types: object, num_layers: int, window: int | None) -> tuple[int, ...]:
     kinds = ("full_attention", "sliding_attention")
-    if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in kinds for t in types)):
         raise ConfigError(f"--model-path: layer_types must list {num_layers} entries of {kinds}, "
                           f"got {types!r}")
     layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
