@@ -31,9 +31,9 @@ from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, stride_ks,
                stride_kd, stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-               MASKED: tl.constexpr, WIDE: tl.constexpr):
+               MASKED: tl.constexpr, WINDOW: tl.constexpr, WIDE: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages; masked: each
-    row sees keys [low, lim)."""
+    row sees keys [0, lim), or [low, lim) under a window."""
     kpos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = kpos < hi
@@ -53,7 +53,9 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d,
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale           # log2 domain
     if MASKED:
-        seen = (kpos[None, :] < lim[:, None]) & (kpos[None, :] >= low[:, None])
+        seen = kpos[None, :] < lim[:, None]
+        if WINDOW:
+            seen = seen & (kpos[None, :] >= low[:, None])
         qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.math.exp2(m_i - m_new)
@@ -81,7 +83,7 @@ def _paged_attn_kernel(
     T, S, P, qk_scale, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-    DOT_F32: tl.constexpr, WIDE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_F32: tl.constexpr, WIDE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     head = tl.program_id(0)      # heads vary fastest: programs sharing a kv head run together (L2)
     pid = tl.program_id(1)
@@ -124,31 +126,35 @@ def _paged_attn_kernel(
         pr_row = PR + seq * stride_pr
         k_head = KP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_kh
         v_head = VP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_vh
-        # Each row sees keys [low, lim): low = lim - window (window 0: no window, low = 0).
-        low = tl.where(window > 0, tl.maximum(lim - window, 0), 0)
-        # Key blocks every live row sees whole need no mask (most of a long causal row): those
-        # from the largest low on, below the smallest limit.
+        # Key blocks below every live row's limit need no mask (most of a long causal row).
         lo = tl.min(tl.where(row_ok, lim, 2147483647), 0)
-        first = (tl.min(tl.where(row_ok, low, 2147483647), 0) // BLOCK_N) * BLOCK_N
-        full_start = ((tl.max(tl.where(row_ok, low, 0), 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        full_start = 0
         full_end = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N
-        whole = full_end > full_start
-        head_end = tl.where(whole, full_start, hi)
-        for start in range(first, head_end, BLOCK_N):
+        low = lim                        # read only under a window
+        if HAS_WINDOW:
+            # Each row sees keys [low, lim), low = lim - window: the loop starts at the smallest
+            # low, and only blocks from the largest low on are seen whole by every row.
+            low = tl.maximum(lim - window, 0)
+            first = (tl.min(tl.where(row_ok, low, 2147483647), 0) // BLOCK_N) * BLOCK_N
+            full_start = ((tl.max(tl.where(row_ok, low, 0), 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+            whole = full_end > full_start
+            for start in range(first, tl.where(whole, full_start, hi), BLOCK_N):
+                m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
+                                           v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                           stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
+                                           True, True, WIDE)
+            full_start = tl.where(whole, full_start, hi)
+            full_end = tl.where(whole, full_end, hi)
+        for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
                                        v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
                                        stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
-                                       True, WIDE)
-        for start in range(full_start, tl.where(whole, full_end, full_start), BLOCK_N):
+                                       False, HAS_WINDOW, WIDE)
+        for start in range(full_end, hi, BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
                                        v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
                                        stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
-                                       False, WIDE)
-        for start in range(tl.where(whole, full_end, hi), hi, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
-                                       v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
-                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
-                                       True, WIDE)
+                                       True, HAS_WINDOW, WIDE)
         if HAS_SINKS:       # the head's sink logit joins every row's denominator (log2 domain)
             sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
             m_new = tl.maximum(m_i, sink)
@@ -240,7 +246,7 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         T, S, P, float(scale) * LOG2E, int(window),
         GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s,
         PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out),
-        HAS_SINKS=sinks is not None, num_warps=warps,
+        HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, num_warps=warps,
         num_stages=stages,
     )
     return out
