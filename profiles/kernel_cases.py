@@ -41,10 +41,14 @@ def _name(dtype: torch.dtype) -> str:
 def attention(mock) -> Iterator[Case]:
     fn = triton_attention._paged_attn_kernel
     hq, hkv, seqs, pages = 32, 8, 2 * REQUESTS, CONTEXT // PAGE_SIZE   # zigzag: 2 blocks a request
-    for dtype, d, rows, wide in itertools.product(DTYPES, HEAD_DIMS, ROWS, (False, True)):
+    # sinks: gpt-oss's layers (sink logits, a 128-token window); else a full causal layer
+    for dtype, d, rows, wide, sinks in itertools.product(DTYPES, HEAD_DIMS, ROWS, (False, True),
+                                                         (False, True)):
         t = triton_attention.attention_tiles(rows, d, dtype)
         x = mock(dtype)
         args = dict(Q=x, KP=x, VP=x, CU=mock(I64), PR=mock(I64), LIM=mock(I64), OUT=x,
+                    SINKS=mock(torch.float32) if sinks else x, window=128 if sinks else 0,
+                    HAS_WINDOW=sinks, HAS_SINKS=sinks,
                     stride_qt=hq * d, stride_qh=d, stride_qd=1, stride_ks=hkv * d, stride_kh=d,
                     stride_kd=1, stride_vs=hkv * d, stride_vh=d, stride_vd=1, stride_ot=hq * d,
                     stride_oh=d, stride_od=1, stride_pr=pages, stride_pp=1, T=rows, S=seqs, P=pages,
@@ -52,7 +56,8 @@ def attention(mock) -> Iterator[Case]:
                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_S=max(16, seqs),
                     PREC="ieee" if dtype == torch.float32 else None, DOT_F32=False, WIDE=wide)
         # wide: int64 offsets, taken where the pool or the queries span 2**31 elements
-        yield ({"dtype": _name(dtype), "head_dim": d, **t._asdict(), "wide": wide}, fn, args,
+        yield ({"dtype": _name(dtype), "head_dim": d, **t._asdict(), "wide": wide, "sinks": sinks},
+               fn, args,
                {"num_warps": t.num_warps, "num_stages": t.num_stages})
 
 

@@ -19,6 +19,12 @@ class AttentionKernels:
     attention: KernelSpec        # the paged varlen kernel of the dense layers
     split_early_late: bool       # the flashattention path: one call for the early blocks, one for the late
     dsa: ModuleType | None       # ``indexer_scores`` / ``sparse_mla`` (Triton or the torch forms)
+    # the kernel of layers with a sliding window or attention sinks, and why it is not ``attention``
+    windowed: KernelSpec | None = None
+    windowed_reason: str | None = None
+
+    def kernel(self, window: int, sinks: bool) -> KernelSpec:
+        return self.windowed if (window or sinks) and self.windowed is not None else self.attention
 
 
 @dataclass
@@ -30,10 +36,11 @@ class AttentionContext:
     host: HostMaxima
     kernels: AttentionKernels
     last: LastTokens | None = None   # the last layer attends for each request's last token only
+    halo: bool = False      # sliding layers may gather just their window's halo (none reads more)
 
-    def all_gather(self, rows):
+    def all_gather(self, rows, label: str = "full"):
         """``rows`` of every CP rank, rank-major (one collective; the rows themselves at CP 1)."""
         if self.meta.cp_size == 1:
             return rows
         out = rows.new_empty((self.meta.cp_size * rows.shape[0],) + tuple(rows.shape[1:]))
-        return self.comm.all_gather(out, rows.contiguous())
+        return self.comm.all_gather(out, rows.contiguous(), label)

@@ -1,4 +1,9 @@
-"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``.
+"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``,
+with ``rows=`` (only those rows attend) and ``sinks=`` (per-head sink logits [local heads], gpt-oss)
+as options. A layer in ``ModelConfig.sliding_layers`` attends through the model's window (keys
+p - W < j <= p); under zigzag it writes its own rows and all-gathers only the halo the window needs
+(``cp.metadata.window_halo``: each block's last W - 1 tokens), where nothing else reads its cache
+(no PD transfer, no layer split).
 
 Per layer: all-gather this rank's K/V across the CP group (one collective for both), write every gathered
 row to its paged-cache slot (padding rows go to the dummy slot), then run the kernel on the local queries.
@@ -13,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from graphcp.attention.context import AttentionContext
-from graphcp.cp.metadata import HostMaxima
+from graphcp.cp.metadata import HostMaxima, window_halo
 from graphcp.graph.protocol import graph_break
 from graphcp.kernels.registry import KernelArgs, KernelSpec
 from graphcp.profiling import nvtx_range
@@ -63,23 +68,32 @@ class PagedAttention:
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx, self.meta, self.pool = ctx, ctx.meta, ctx.pool
         kernels, meta = ctx.kernels, ctx.meta
-        self.kernel = kernels.attention
-        split = kernels.split_early_late and meta.early_sequences > 0
-        self.early_sequences = meta.early_sequences if split else 0
+        self.kernels = kernels
+        self.split = kernels.split_early_late and meta.early_sequences > 0
+        self.early_sequences = meta.early_sequences if self.split else 0
         self.scale = ctx.cfg.head_dim ** -0.5
-        self.capturable = self.kernel.capturable(self.pool.device) and not split
+        window = ctx.cfg.sliding_window or 0
+        # made once per forward (a capture records it): every sliding layer shares it
+        self.halo = (window_halo(meta, ctx.comm.rank, window)
+                     if ctx.halo and window and meta.cp_size > 1 else None)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]; with
         ``rows`` (each request's last-token row, ``ctx.last``) the K/V of every token are cached but
-        only those rows attend: [R, Hq, D]."""
+        only those rows attend: [R, Hq, D]. ``sinks`` [Hq]: one logit per head joins each row's
+        softmax denominator (once per row, whatever the kernel splits)."""
         meta, pool = self.meta, self.pool
         pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
-        if meta.cp_size > 1:
-            gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))           # [C * B, 2, Hkv, D]
-            k, v = gathered[:, 0], gathered[:, 1]
-        pool.write_kv(layer_id, meta.gather_slots, k, v, meta.gather_runs)
+        window = self.ctx.cfg.window(layer_id)
+        if window and self.halo is not None:
+            self._write_halo(layer_id, k, v)
+        else:
+            if meta.cp_size > 1:
+                gathered = self.ctx.all_gather(torch.stack((k, v), dim=1))   # [C * B, 2, Hkv, D]
+                k, v = gathered[:, 0], gathered[:, 1]
+            pool.write_kv(layer_id, meta.gather_slots, k, v, meta.gather_runs)
         queries, split = (meta.cu_seqlens_q, meta.page_rows, meta.q_limits), self.early_sequences
         if rows is not None:
             last = self.ctx.last
@@ -88,11 +102,22 @@ class PagedAttention:
         cu, page_rows, limits = queries
         page_rows = pool.map_pages(layer_id, page_rows)           # LayerSplit scratch pages
         k_part, v_part = pool.part(layer_id, "k"), pool.part(layer_id, "v")
+        kernel = self.kernels.kernel(window, sinks is not None)
         args = KernelArgs(q, k_part, v_part, cu, page_rows, limits, q.new_empty(q.shape),
-                          pool.page_size, self.scale)
-        if self.capturable:
-            return _attend(self.kernel, args, self.ctx.host, capturable=True)
-        return _attend_break(self.kernel, args, self.ctx.host, split)
+                          pool.page_size, self.scale, window,
+                          None if sinks is None else sinks.contiguous())
+        if kernel.capturable(pool.device) and not self.split:
+            return _attend(kernel, args, self.ctx.host, capturable=True)
+        return _attend_break(kernel, args, self.ctx.host, split)
+
+    def _write_halo(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This rank's rows to its own cache, then every rank's halo rows to every cache."""
+        meta, (send_rows, slots) = self.meta, self.halo
+        mine = meta.gather_slots.view(meta.cp_size, meta.local_cap)[self.ctx.comm.rank]
+        self.pool.write_kv(layer_id, mine, k, v)
+        rows = torch.stack((k, v), dim=1).index_select(0, send_rows)
+        gathered = self.ctx.all_gather(rows, "sliding")                      # [C * H, 2, Hkv, D]
+        self.pool.write_kv(layer_id, slots, gathered[:, 0], gathered[:, 1])
 
 
 __all__ = ["PagedAttention"]

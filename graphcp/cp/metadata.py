@@ -168,6 +168,35 @@ def interleave_metadata(extend_lens: torch.Tensor, prefix_lens: torch.Tensor, pa
         block_lens=extend_lens[:, None])
 
 
+def window_halo(meta: CPMetadata, rank: int,
+                window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows a sliding-window layer all-gathers under zigzag: of each block, its last
+    min(len, W - 1) tokens. A query at position p reads keys p - W < j <= p: beyond its own block,
+    only the last W - 1 tokens of earlier blocks; and the next chunk reads the request's last
+    W - 1 tokens, which lie in those of its last blocks. So every rank's cache gets its own rows
+    plus these. (rows this rank sends [H], padded with row 0; the slot of each gathered row
+    [C * H], the dummy slot for padding), H = min(local_cap, 2R(W - 1)) (static in a graph);
+    None where that saves nothing, or for a layout without zigzag's blocks (interleave: every
+    rank's window spans every rank)."""
+    if meta.cp_size == 1 or meta.early_sequences == 0 or window <= 1:
+        return None
+    C, B, blk = meta.cp_size, meta.local_cap, meta.block_lens
+    cap = 2 * blk.shape[0] * (window - 1)
+    if cap >= B:
+        return None
+    ranks = torch.arange(C, device=blk.device)
+    seq_q = torch.cat([blk[:, ranks], blk[:, 2 * C - 1 - ranks]], 0).t()               # [C, 2R]
+    ends = torch.cumsum(seq_q, 1)                                                      # rows
+    sent_ends = torch.cumsum(seq_q.clamp(max=window - 1), 1).contiguous()
+    h = torch.arange(cap, device=blk.device).expand(C, cap).contiguous()
+    piece = torch.searchsorted(sent_ends, h, right=True)                               # [C, H]
+    valid = (piece < seq_q.shape[1]).long()
+    piece = piece.clamp(max=seq_q.shape[1] - 1)
+    row = (ends.gather(1, piece) - sent_ends.gather(1, piece) + h) * valid              # [C, H]
+    slots = meta.gather_slots.view(C, B).gather(1, row) * valid + DUMMY_SLOT * (1 - valid)
+    return row[rank], slots.reshape(-1)
+
+
 @dataclass(slots=True)
 class HostMaxima:
     """Host-side values of one batch on one rank (break arguments) and a per-forward kernel scratch."""

@@ -90,17 +90,23 @@ class CPComm:
         self.capturable = group is not None and _nccl(group)
         self.num_all_gathers = 0
         self.num_all_reduces = 0
+        self.gathered_bytes: dict[str, int] = {}      # per label: bytes received, summed
+        self.gathered_layers: dict[str, int] = {}     # per label: collectives
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        return (_kv_gather if self.capturable else _kv_gather_break)(self, out, inp)
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, label: str = "full") -> torch.Tensor:
+        """``label`` sorts the counted bytes (a sliding-window layer's halo: "sliding")."""
+        return (_kv_gather if self.capturable else _kv_gather_break)(self, out, inp, label)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return (_rows_reduce if self.capturable else _rows_reduce_break)(self, t)
 
 
 # The counters live inside the (break) functions, so a graph replay counts its collectives too.
-def _kv_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def _kv_gather(comm: CPComm, out: torch.Tensor, inp: torch.Tensor, label: str) -> torch.Tensor:
     comm.num_all_gathers += 1
+    nbytes = out.numel() * out.element_size()
+    comm.gathered_bytes[label] = comm.gathered_bytes.get(label, 0) + nbytes
+    comm.gathered_layers[label] = comm.gathered_layers.get(label, 0) + 1
     with nvtx_range("all_gather_kv"):
         return _all_gather_into(out, inp, comm.group)
 

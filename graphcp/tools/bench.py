@@ -110,7 +110,14 @@ def run(argv: list[str]) -> int:
                     engine.release(r.rid)
                 return out
 
-            graph_out, eager_out = graphcp_run(False, True), graphcp_run(True, True)   # warm-up + op counts
+            # warm-up, op counts and the K/V all-gather's bytes per layer of each path
+            counts = [engine.collective_counts()]
+            graph_out = graphcp_run(False, True)
+            counts.append(engine.collective_counts())
+            eager_out = graphcp_run(True, True)
+            counts.append(engine.collective_counts())
+            gathers = {"graph": gather_per_layer(*counts[:2]),
+                       "eager": gather_per_layer(*counts[1:])}
             if hf is not None:
                 hf(batch)
             times = {"graph": [], "eager": [], "hf": []}
@@ -135,6 +142,7 @@ def run(argv: list[str]) -> int:
                 "case": f"{n}x{length}", "tokens": n * length, "graph_mode": graph_out.mode,
                 "graph_bucket": graph_out.graph_bucket, "eager_reason": graph_out.eager_reason,
                 "ms": med, "host_ops": {"eager": eager_out.host_ops, "graph": graph_out.host_ops},
+                "gather_bytes_per_layer": gathers,
                 "balance": {s: attention_balance(s, balance_cp, [length] * n) for s in ("zigzag", "interleave")}})
     report = _report(results, balance_cp)
     print(report["table"])
@@ -223,6 +231,37 @@ def _moe_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gather_per_layer(before: dict, after: dict) -> dict[str, int]:
+    """Bytes each rank received per K/V all-gather between two ``collective_counts``, per kind of
+    layer ("sliding": a sliding-window layer's halo, "full": everything)."""
+    out = {}
+    for kind, layers in after["gathered_layers"].items():
+        n = layers - before["gathered_layers"].get(kind, 0)
+        if n:
+            out[kind] = (after["gathered_bytes"][kind] - before["gathered_bytes"].get(kind, 0)) // n
+    return out
+
+
+def _gather_lines(results: list[dict]) -> list[str]:
+    """Sliding-window models: each case's gathered bytes per layer, sliding beside full layers."""
+    if not any("sliding" in g for r in results for g in r["gather_bytes_per_layer"].values()):
+        return []
+
+    def kib(per: dict, kind: str) -> str:
+        return f"{per[kind] / 1024:.1f}" if kind in per else "-"
+
+    lines = ["", "K/V all-gather per layer, KiB each rank receives (sliding layers gather their "
+             "window's halo; full layers, interleave and small batches everything):",
+             f"{'case':>7} {'graph sliding':>13} {'graph full':>10} {'eager sliding':>13} "
+             f"{'eager full':>10}"]
+    for r in results:
+        g = r["gather_bytes_per_layer"]
+        graph, eager = g["graph"], g["eager"]
+        lines.append(f"{r['case']:>7} {kib(graph, 'sliding'):>13} {kib(graph, 'full'):>10} "
+                     f"{kib(eager, 'sliding'):>13} {kib(eager, 'full'):>10}")
+    return lines
+
+
 def _report(results: list[dict], balance_cp: int) -> dict:
     lines = ["", f"{'case':>7} {'mode':>6} {'bucket':>6} {'graph ms':>9} {'eager ms':>9} {'hf ms':>8} "
                  f"{'graph/eager':>11} {'eager/hf':>8} {'ops eager':>9} {'ops graph':>9} {'zz bal':>6} {'il bal':>6}"]
@@ -250,6 +289,7 @@ def _report(results: list[dict], balance_cp: int) -> dict:
                      f"graphcp graph / HF: {tps['graphcp_graph'] / tps['hf']:.2f}x")
     lines.append(f"graph / eager: {tps['graphcp_graph'] / tps['graphcp_eager']:.2f}x   host ops per forward "
                  f"(median): eager {ops['eager']}, graph {ops['graph']} -> {ops['graph'] / ops['eager']:.3f}")
+    lines += _gather_lines(results)
     return {"table": "\n".join(lines), "host_ops_per_forward": ops, "tokens_per_s": tps, "cases": results,
             "balance_cp": balance_cp}
 
