@@ -8,13 +8,13 @@ import re
 from dataclasses import dataclass
 
 from graphcp.errors import ConfigError
-from graphcp.models.config import Fields, ModelConfig, base_fields, rope_fields
+from graphcp.models.config import Fields, ModelConfig, base_fields, expert_count, rope_fields
 
 ARCHITECTURES = {"GptOssForCausalLM": "gpt_oss"}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' class defaults (GptOssConfig) for the fields graphcp reads with another fallback.
 HF_DEFAULTS = {"GptOssForCausalLM": dict(
-    num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880,
+    num_hidden_layers=36, num_experts=128, vocab_size=201088, hidden_size=2880,
     intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
     sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
     num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True)}
@@ -43,8 +43,11 @@ def read_config(f: Fields, arch: str) -> dict:
     """Every layer is MoE (``num_local_experts``, top ``num_experts_per_tok`` with experts of
     ``intermediate_size``); ``attention_bias`` biases q/k/v/o. transformers ignores
     ``hidden_act`` (the experts' activation is their clamped SwiGLU), ``experts_per_token`` and
-    ``initial_context_length`` (the rope parameters carry the original context); so does graphcp."""
+    ``initial_context_length`` (the rope parameters carry the original context); so does graphcp.
+    ``num_experts`` spells ``num_local_experts`` (transformers' attribute map), which wins."""
     raw = {k: v for k, v in f.raw.items() if k not in ("quantization_config", "hidden_act")}
+    f = Fields(expert_count(f.raw, ("num_local_experts", "num_experts"), "num_local_experts"),
+               f.source)
     if not raw.get("rope_scaling") and not raw.get("rope_parameters"):
         raw["rope_parameters"] = dict(_DEFAULT_ROPE)
     fields = base_fields(Fields(raw, f.source))
@@ -85,8 +88,8 @@ def _layer_types(types: object, num_layers: int) -> tuple[str, ...]:
         return tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))
     if (not isinstance(types, list) or len(types) != num_layers
             or any(t not in (SLIDING, FULL) for t in types)):
-        raise ConfigError(f"--model-path: layer_types must list {num_layers} entries, each "
-                          f"{SLIDING!r} or {FULL!r}, got {types!r}")
+        raise ConfigError(f"--model-path: layer_types must list num_hidden_layers={num_layers} "
+                          f"entries, each {SLIDING!r} or {FULL!r}, got {types!r}")
     return tuple(types)
 
 
