@@ -123,7 +123,7 @@ def memory_report(args: EngineArgs, device: str = "cuda",
     agreed = min(r.own_max_total_tokens for r in ranks)
     for r in ranks:
         r.max_total_tokens = agreed
-        r.max_context = context_limit(cfg.max_positions, agreed, cfg.sliding_window, False)
+        r.max_context = context_limit(cfg.max_positions, agreed)
     problem = next((f"rank {r.rank}: {r.problem}" for r in ranks if r.problem), None)
     need = min(cfg.max_positions, MIN_REQUEST)
     if problem is None and agreed < need:

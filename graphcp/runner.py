@@ -70,8 +70,7 @@ class ModelRunner:
                                  and self.model.prunes_last_layer())
         write = self.kernels.get("kv_write")
         graph_buckets, latent = graph_reserve(args, cfg, self.device.type)
-        cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions,
-                          cfg.sliding_window, write, announce=rank == 0,
+        cache = make_pool(self.attention.cache_parts(), args, par, self.dtype, cfg.max_positions, write,
                           state_parts=self.attention.state_parts(), weight_bytes=self.weight_bytes,
                           graph_buckets=graph_buckets, latent=latent)
         self.pool, self.max_context = cache.pool, cache.max_context
@@ -291,11 +290,18 @@ class ModelRunner:
             return None
         slots, state = slots.to(self.device), self.planner.state_slot(rid)
         held = self.pool.held_layers(self.par.layers)       # LayerSplit: only this CP rank's layers
-        rows = [self.pool.read(layer, slots) + self.pool.states.read(layer, state) for layer in held]
+        rows = [self.pool.read(layer, self._kept(layer, slots)) + self.pool.states.read(layer, state)
+                for layer in held]
         layers = [self.attention.export(layer, parts) for layer, parts in zip(held, rows)]
         me = self.par.me
         return {"first_layer": held.start, "attn_tp_rank": me.attn_tp_rank, "cp_rank": me.cp_rank,
                 "layers": layers, "some_layers": held != self.par.layers}
+
+    def _kept(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The slots a layer's cache keeps for later tokens: a sliding layer's last W - 1 (as
+        transformers' sliding-window cache; older keys are never read again), else all."""
+        window = self.model_config.window(layer)
+        return slots[max(len(slots) - window + 1, 0):] if window else slots
 
     def transfer_kv(self, rid: str, destination: dict) -> dict | None:
         from graphcp.pd.sender import transfer_kv
@@ -336,6 +342,7 @@ class ModelRunner:
                 "world_size": self.args.world_size, "attention_backend": self.args.resolved_backend(),
                 "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.attention.kernel_name, "eager_reason": self.graph_reason,
+                "attention_kernel_windowed": self.attention.windowed_kernel,
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
                 "adaptive_cp": self.strategy.describe_cost()}

@@ -5,6 +5,8 @@ every op uses, chosen once at start. Layers call
 to the op of that layer's kind."""
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +16,12 @@ from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds, state_p
 from graphcp.config import EngineArgs
 from graphcp.cp.metadata import CPMetadata, HostMaxima, LastTokens
 from graphcp.distributed.comm import CPComm
-from graphcp.kernels.registry import KERNELS
+from graphcp.kernels.registry import KERNELS, KernelContext
 from graphcp.kernels.resolve import resolve_dsa, resolve_kernel
 from graphcp.kv.cache import LayerParts, PagedPool
 from graphcp.models.config import ModelConfig
+
+log = logging.getLogger("graphcp")
 
 
 class LayerOps:
@@ -46,6 +50,12 @@ class AttentionBackend:
     @property
     def kernel_name(self) -> str:
         return self.kernels.attention.name
+
+    @property
+    def windowed_kernel(self) -> dict:
+        """The kernel of sliding-window and sink layers, and why it is not ``kernel_name``'s."""
+        k = self.kernels
+        return {"name": (k.windowed or k.attention).name, "reason": k.windowed_reason}
 
     @property
     def heads_split(self) -> bool:
@@ -81,14 +91,25 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
     causal limits (interleave), which some kernels do not take."""
     atp, kinds = args.attn_tp_size, layer_kinds(cfg, layers)
     needed = {op for kind in kinds.values() for op in kind.kernels}     # resolve (and probe) only those
-    kernel = KERNELS["torch"]
+    kernel = windowed = KERNELS["torch"]
+    reason = None
     if "attention" in needed:
         heads = (cfg.num_attention_heads // atp, cfg.num_key_value_heads // atp)
-        kernel = KERNELS[resolve_kernel(args.attention_kernel, device, dtype, cfg.head_dim, bottom_right, heads,
-                                        args.page_size)]
+        choose = functools.partial(resolve_kernel, device=device, dtype=dtype, head_dim=cfg.head_dim,
+                                   bottom_right=bottom_right, heads=heads, page_size=args.page_size)
+        kernel = KERNELS[choose(args.attention_kernel)]
+        # Sliding-window and sink layers (which a model shows only when it calls): a kernel that
+        # cannot serve them is refused for those layers, an explicit flashinfer included.
+        wanted = "auto" if args.attention_kernel == "flashinfer" else args.attention_kernel
+        windowed = KERNELS[choose(wanted, window_or_sinks=True)]
+        if windowed is not kernel:
+            reason = kernel.unsupported_reason(KernelContext(device, dtype, cfg.head_dim, heads,
+                                                             args.page_size, bottom_right, True))
+            log.info("graphcp: sliding-window and sink layers attend with the %s kernel (%s %s)",
+                     windowed.name, kernel.name, reason or "failed its check with them")
     dsa = resolve_dsa(args.attention_kernel, device) if "dsa" in needed else None
     split = args.resolved_backend() == "flashattention"
-    return AttentionBackend(cfg, kinds, AttentionKernels(kernel, split, dsa), atp)
+    return AttentionBackend(cfg, kinds, AttentionKernels(kernel, split, dsa, windowed, reason), atp)
 
 
 __all__ = ["AttentionBackend", "LayerOps", "build"]

@@ -19,6 +19,12 @@ class AttentionKernels:
     attention: KernelSpec        # the paged varlen kernel of the dense layers
     split_early_late: bool       # the flashattention path: one call for the early blocks, one for the late
     dsa: ModuleType | None       # ``indexer_scores`` / ``sparse_mla`` (Triton or the torch forms)
+    # the kernel of layers with a sliding window or attention sinks, and why it is not ``attention``
+    windowed: KernelSpec | None = None
+    windowed_reason: str | None = None
+
+    def kernel(self, window: int, sinks: bool) -> KernelSpec:
+        return self.windowed if (window or sinks) and self.windowed is not None else self.attention
 
 
 @dataclass

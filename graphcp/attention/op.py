@@ -1,4 +1,6 @@
-"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``.
+"""The dense (GQA) attention op a layer calls through the forward context: ``op(layer, q, k, v)``, with
+``rows=`` (only those rows attend) and ``sinks=`` (per-head sink logits [local heads], gpt-oss) as options.
+A layer in ``ModelConfig.sliding_layers`` attends through the model's window (keys p - W < j <= p).
 
 Per layer: all-gather this rank's K/V across the CP group (one collective for both), write every gathered
 row to its paged-cache slot (padding rows go to the dummy slot), then run the kernel on the local queries.
@@ -63,17 +65,17 @@ class PagedAttention:
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx, self.meta, self.pool = ctx, ctx.meta, ctx.pool
         kernels, meta = ctx.kernels, ctx.meta
-        self.kernel = kernels.attention
-        split = kernels.split_early_late and meta.early_sequences > 0
-        self.early_sequences = meta.early_sequences if split else 0
+        self.kernels = kernels
+        self.split = kernels.split_early_late and meta.early_sequences > 0
+        self.early_sequences = meta.early_sequences if self.split else 0
         self.scale = ctx.cfg.head_dim ** -0.5
-        self.capturable = self.kernel.capturable(self.pool.device) and not split
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this rank's tokens -> attention output [T, Hq, D]; with
         ``rows`` (each request's last-token row, ``ctx.last``) the K/V of every token are cached but
-        only those rows attend: [R, Hq, D]."""
+        only those rows attend: [R, Hq, D]. ``sinks`` [Hq]: one logit per head joins each row's
+        softmax denominator (once per row, whatever the kernel splits)."""
         meta, pool = self.meta, self.pool
         pool.prepare(layer_id)          # LayerSplit: a non-owned layer's cached prefix comes from its owner
         if meta.cp_size > 1:
@@ -88,11 +90,14 @@ class PagedAttention:
         cu, page_rows, limits = queries
         page_rows = pool.map_pages(layer_id, page_rows)           # LayerSplit scratch pages
         k_part, v_part = pool.part(layer_id, "k"), pool.part(layer_id, "v")
+        window = self.ctx.cfg.window(layer_id)
+        kernel = self.kernels.kernel(window, sinks is not None)
         args = KernelArgs(q, k_part, v_part, cu, page_rows, limits, q.new_empty(q.shape),
-                          pool.page_size, self.scale)
-        if self.capturable:
-            return _attend(self.kernel, args, self.ctx.host, capturable=True)
-        return _attend_break(self.kernel, args, self.ctx.host, split)
+                          pool.page_size, self.scale, window,
+                          None if sinks is None else sinks.contiguous())
+        if kernel.capturable(pool.device) and not self.split:
+            return _attend(kernel, args, self.ctx.host, capturable=True)
+        return _attend_break(kernel, args, self.ctx.host, split)
 
 
 __all__ = ["PagedAttention"]

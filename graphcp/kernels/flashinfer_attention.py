@@ -10,7 +10,9 @@ Two entry points, chosen by the GPU:
 
 Both assume bottom-right-causal sequences (query i of a row sees kv_len - q_len + i + 1 keys). That holds for
 zigzag rows and for a single rank, not for interleave, whose per-token limits only the Triton and torch kernels
-honour; ``resolve_kernel`` never pairs flashinfer with interleave.
+honour; ``resolve_kernel`` never pairs flashinfer with interleave. Neither entry point is given a sliding
+window or attention sinks here (this glue was never run with them on a GPU): layers that need either get
+another kernel (``attention.build``), and a call with them is refused rather than run without them.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def variant_for_capability(capability: tuple[int, int]) -> str:
     return "trtllm" if capability[0] == 10 else "paged"
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, bottom_right: bool) -> str | None:
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, bottom_right: bool,
+                       window_or_sinks: bool = False) -> str | None:
     """Why flashinfer cannot serve this configuration (a message naming the flag to change), or None."""
     if not flashinfer_installed():
         return "needs the flashinfer-python package (pip install 'graphcp[gpu]')"
@@ -50,7 +53,15 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int, 
         return f"supports head_dim {HEAD_DIMS}, the model has {head_dim}"
     if not bottom_right:
         return "needs bottom-right-causal rows, which interleave does not give (--cp-strategy zigzag)"
+    if window_or_sinks:
+        return "is not given sliding windows or attention sinks by graphcp (untested on a GPU)"
     return None
+
+
+def _refuse_features(window: int, sinks: torch.Tensor | None) -> None:
+    if window or sinks is not None:
+        raise ValueError("graphcp's flashinfer glue takes no sliding window or attention sinks; "
+                         "attention.build gives such layers another kernel")
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -75,8 +86,10 @@ def _paged_views(k_pool: torch.Tensor, v_pool: torch.Tensor, page_size: int) -> 
 def flashinfer_trtllm_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                 cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
                                 page_size: int, scale: float, max_q: int, max_kv: int, out: torch.Tensor, *,
-                                workspace: dict | None = None) -> torch.Tensor:
+                                workspace: dict | None = None, window: int = 0,
+                                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``max_q``/``max_kv`` of 0 mean "unknown on the host" (graph capture): the shape bounds stand in."""
+    _refuse_features(window, sinks)
     prefill = importlib.import_module("flashinfer.prefill")
     rows, pages = page_rows.shape
     block_tables, kv_lens, cu_q, cu_kv = per_forward(workspace, "trtllm", (cu_seqlens_q, page_rows, q_limits),
@@ -126,8 +139,10 @@ def _wrapper(device: torch.device, index: int):
 def flashinfer_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
                                page_size: int, scale: float, max_q: int, max_kv: int, out: torch.Tensor, *,
-                               workspace: dict | None = None) -> torch.Tensor:
+                               workspace: dict | None = None, window: int = 0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Runs in a graph break: ``plan`` syncs with the host. One plan per distinct row layout per forward."""
+    _refuse_features(window, sinks)
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out

@@ -41,6 +41,8 @@ class KernelArgs:
     out: torch.Tensor            # [T, Hq, D] written in place
     page_size: int
     scale: float
+    window: int = 0              # > 0: each query sees only its last ``window`` keys (sliding layers)
+    sinks: torch.Tensor | None = None   # [Hq] per-head sink logits in every row's softmax (gpt-oss)
 
 
 # A pytree node: a graph break taking KernelArgs gets its tensors resolved at replay like any argument.
@@ -56,6 +58,7 @@ class KernelContext:
     heads: tuple[int, int] | None = None   # (query, KV) heads on this rank: probe the choice when given
     page_size: int = 16
     bottom_right: bool = True              # False: per-token causal limits (interleave)
+    window_or_sinks: bool = False          # layers with a sliding window or attention sinks
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class KernelSpec:
 
     def run(self, args: KernelArgs, max_q: int, max_kv: int, workspace: dict | None) -> torch.Tensor:
         return self.fn(args.q, args.k_pool, args.v_pool, args.cu_seqlens_q, args.page_rows, args.q_limits,
-                       args.page_size, args.scale, max_q, max_kv, args.out, workspace=workspace)
+                       args.page_size, args.scale, max_q, max_kv, args.out, workspace=workspace,
+                       window=args.window, sinks=args.sinks)
 
     def unsupported_reason(self, ctx: KernelContext) -> str | None:
         """Why this kernel cannot serve ``ctx`` (naming what to change), or None."""
@@ -89,7 +93,8 @@ class KernelSpec:
                 return f"supports head_dim {TRITON_HEAD_DIMS}, the model has {ctx.head_dim}"
         if self.name.startswith("flashinfer"):
             fi = importlib.import_module(_FI)
-            return fi.unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim, ctx.bottom_right)
+            return fi.unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim, ctx.bottom_right,
+                                         ctx.window_or_sinks)
         return None
 
 

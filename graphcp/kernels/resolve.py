@@ -25,7 +25,8 @@ def _rand(gen: torch.Generator, device: torch.device, dtype: torch.dtype, *shape
 
 
 def check_attention(kernel, ctx: KernelContext) -> str | None:
-    """Two sequences, one extending a cached prefix, padding rows after them."""
+    """Two sequences, one extending a cached prefix, padding rows after them; with
+    ``ctx.window_or_sinks``, a window of 9 keys and per-head sinks as well."""
     gen, (num_heads, num_kv_heads), d, ps = torch.Generator().manual_seed(0), ctx.heads, ctx.head_dim, ctx.page_size
     q_lens, kv_lens = [19, 7], [19, 7 + 2 * ps + 3]
     pages = max(-(-kv // ps) for kv in kv_lens)
@@ -36,15 +37,18 @@ def check_attention(kernel, ctx: KernelContext) -> str | None:
     cu = torch.tensor([0, q_lens[0], sum(q_lens)])
     limits = torch.tensor([kv - n + i + 1 for n, kv in zip(q_lens, kv_lens) for i in range(n)] + [0] * 5)
     scale, dev, dtype = d ** -0.5, ctx.device, ctx.dtype
+    window, sinks = (9, torch.randn(num_heads, generator=gen)) if ctx.window_or_sinks else (0, None)
 
     def run() -> torch.Tensor:
         out = torch.full(q.shape, float("nan"), dtype=dtype, device=dev)
         kernel(q.to(dev, dtype), k_pool.to(dev, dtype), v_pool.to(dev, dtype), cu.to(dev), page_rows.to(dev),
-               limits.to(dev), ps, scale, max(q_lens), max(kv_lens), out)
+               limits.to(dev), ps, scale, max(q_lens), max(kv_lens), out, window=window,
+               sinks=None if sinks is None else sinks.to(dev))
         return out
 
     return check(run, lambda: torch_paged_attention(q, k_pool, v_pool, cu, page_rows, limits, ps, scale,
-                                                   max(q_lens), max(kv_lens), torch.empty_like(q)), dtype,
+                                                   max(q_lens), max(kv_lens), torch.empty_like(q),
+                                                   window=window, sinks=sinks), dtype,
                  "the torch kernel")
 
 
@@ -112,14 +116,16 @@ def resolve_dsa(requested: str, device: torch.device) -> ModuleType:
 
 
 def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   bottom_right: bool = True, heads: tuple[int, int] | None = None, page_size: int = 16) -> str:
+                   bottom_right: bool = True, heads: tuple[int, int] | None = None, page_size: int = 16,
+                   window_or_sinks: bool = False) -> str:
     """The kernel behind the attention backend. An explicit choice that cannot serve is a ConfigError
     naming the flag; ``auto`` takes flashinfer where it is installed, fits and passes its check, then
     Triton on CUDA, then torch. ``bottom_right`` is False for interleave, whose per-token causal limits
     flashinfer does not take. With ``heads`` (query, KV heads on this rank), a flashinfer or CUDA Triton
-    choice is first checked with one small call against the torch kernel."""
+    choice is first checked with one small call against the torch kernel. ``window_or_sinks``: the
+    kernel of layers with a sliding window or attention sinks (checked with both)."""
     import importlib
-    ctx = KernelContext(device, dtype, head_dim, heads, page_size, bottom_right)
+    ctx = KernelContext(device, dtype, head_dim, heads, page_size, bottom_right, window_or_sinks)
     fi = importlib.import_module(KERNELS["flashinfer-paged"].module)
 
     def reason(spec: KernelSpec) -> str | None:

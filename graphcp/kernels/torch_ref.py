@@ -4,6 +4,10 @@ Contract shared by every kernel: queries ``q`` [T, Hq, D] grouped into sequences
 sequence reads keys of its page-table row; query i of a sequence sees keys [0, q_limits[i]), which for a
 plain sequence is bottom-right causal (kv_len - q_len + i + 1); limits never decrease within a sequence.
 GQA: query head h reads kv head h // (Hq/Hkv). Rows past the last sequence are written as zeros.
+Two keyword options: ``window`` W > 0 narrows query i to keys [q_limits[i] - W, q_limits[i]) (a key's
+index is its position, so a query at position p sees p - W < j <= p, as transformers' sliding
+window); ``sinks`` [Hq] adds one logit per head to every row's softmax denominator (gpt-oss's
+attention sinks), which attends no value.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def _group_sequences(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
 
 
 def _host_groups(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
-                 page_size: int) -> Iterator[tuple]:
+                 page_size: int, window: int) -> Iterator[tuple]:
     """Per group of sequences, in numpy: padded query rows [G, max_q], their validity, KV slots
     [G, max_kv], the causal mask when small (else None), the limits and the key positions. Index
     arithmetic on the host (a few us an op where a torch op costs ~10)."""
@@ -70,7 +74,7 @@ def _host_groups(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: 
         limits = np.where(q_valid, lim[q_idx], 1)
         # The mask is kept for every layer when small; a long prompt's is made chunk by chunk.
         small = q_idx.size * max_kv <= _MASK_ELEMENTS
-        mask = (key_pos[None, None, :] < limits[:, :, None])[:, None] if small else None  # [G, 1, max_q, max_kv]
+        mask = _visible(key_pos, limits, window)[:, None] if small else None     # [G, 1, max_q, max_kv]
         yield q_idx, q_valid, slots, mask, limits, key_pos
 
 
@@ -86,11 +90,11 @@ def sequence_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limit
     the real rows, KV slots, mask, limits, key positions), on the metadata's device."""
     return [_moved((q_idx, q_valid, q_idx[q_valid], slots, mask, limits, key_pos), cu_seqlens_q.device)
             for q_idx, q_valid, slots, mask, limits, key_pos
-            in _host_groups(cu_seqlens_q, page_rows, q_limits, page_size)]
+            in _host_groups(cu_seqlens_q, page_rows, q_limits, page_size, 0)]
 
 
 def head_major_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
-                      page_size: int, q_heads: int, kv_heads: int) -> list[tuple]:
+                      page_size: int, q_heads: int, kv_heads: int, window: int = 0) -> list[tuple]:
     """``sequence_layout`` shaped so that each gather yields the [G, H, len, D] layout SDPA takes
     (no transposes per layer): per group, KV slots [G, 1, max_kv] and head indices [1, Hkv, 1],
     then its query chunks (one where the mask is small), each with its query rows [G, 1, n] and
@@ -100,7 +104,7 @@ def head_major_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_lim
     hq, hkv = np.arange(q_heads)[None, :, None], np.arange(kv_heads)[None, :, None]
     layout = []
     for q_idx, q_valid, slots, mask, limits, key_pos in _host_groups(cu_seqlens_q, page_rows, q_limits,
-                                                                       page_size):
+                                                                       page_size, window):
         g, max_q = q_idx.shape
         step = max_q if mask is not None else max(1, _SCORE_BYTES // (4 * g * q_heads * slots.shape[1]))
         chunks = []
@@ -112,35 +116,59 @@ def head_major_layout(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_lim
     return layout
 
 
-def _mask(key_pos: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-    return (key_pos[None, None, :] < limits[:, :, None])[:, None]
+def _visible(key_pos, limits, window: int):
+    """[G, max_q, max_kv] keys each query sees (numpy or torch alike): below its limit, and within
+    the window where there is one."""
+    seen = key_pos[None, None, :] < limits[:, :, None]
+    if window:
+        seen = seen & (key_pos[None, None, :] >= limits[:, :, None] - window)
+    return seen
 
 
 def torch_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           page_rows: torch.Tensor, q_limits: torch.Tensor, page_size: int, scale: float,
-                          max_q: int, max_kv: int, out: torch.Tensor, *, workspace: dict | None = None) -> torch.Tensor:
+                          max_q: int, max_kv: int, out: torch.Tensor, *, workspace: dict | None = None,
+                          window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """At most two padded SDPA calls (more for long prompts: queries in chunks, so the masked path never
-    materialises more than ``_SCORE_BYTES`` of scores); ``max_q``/``max_kv`` only tell an empty batch apart."""
+    materialises more than ``_SCORE_BYTES`` of scores); ``max_q``/``max_kv`` only tell an empty batch apart.
+    With ``sinks`` the softmax is written out (SDPA takes no extra logit)."""
     out.zero_()
     if max_q == 0 or max_kv == 0:
         return out
     hq, hkv = q.shape[1], k_pool.shape[1]
-    layout = per_forward(workspace, f"torch{page_size}/{hq}/{hkv}", (cu_seqlens_q, page_rows, q_limits),
-                         lambda: head_major_layout(cu_seqlens_q, page_rows, q_limits, page_size, hq, hkv))
+    layout = per_forward(workspace, f"torch{page_size}/{hq}/{hkv}/{window}", (cu_seqlens_q, page_rows, q_limits),
+                         lambda: head_major_layout(cu_seqlens_q, page_rows, q_limits, page_size, hq, hkv, window))
     for slots, kv_heads, chunks in layout:
         k, v = k_pool[slots, kv_heads], v_pool[slots, kv_heads]                 # [G, Hkv, max_kv, D]
         for q_idx, q_heads, seq, row, rows, mask, limits, key_pos in chunks:
             if mask is None:                 # a long prompt's mask, made chunk by chunk
-                mask = _mask(key_pos, limits)
-            _sdpa(q, k, v, (q_idx, q_heads), (seq, row), rows, mask, scale, out)
+                mask = _visible(key_pos, limits, window)[:, None]
+            _sdpa(q, k, v, (q_idx, q_heads), (seq, row), rows, mask, scale, out, sinks)
     return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: tuple, valid: tuple,
-          rows: torch.Tensor, mask: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+          rows: torch.Tensor, mask: torch.Tensor, scale: float, out: torch.Tensor,
+          sinks: torch.Tensor | None) -> None:
     """``q_index``: (rows [G, 1, max_q], heads [1, Hq, 1]); ``valid``: (sequence, row) of each real
     query, in the order of ``rows`` (its row in ``q`` and ``out``)."""
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q[q_index], k, v, attn_mask=mask, scale=scale, enable_gqa=True)          # [G, Hq, max_q, D]
+    if sinks is None:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q_index], k, v, attn_mask=mask, scale=scale, enable_gqa=True)      # [G, Hq, max_q, D]
+    else:
+        o = _softmax_with_sinks(q[q_index], k, v, mask, scale, sinks)
     o = o[valid[0], :, valid[1]]                                                 # [real queries, Hq, D]
     out[rows] = o if o.dtype == out.dtype else o.to(out.dtype)
+
+
+def _softmax_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention written out: each row's softmax in fp32 over its visible keys' logits and the
+    head's sink logit, whose probability is dropped (it attends nothing)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()             # [G, Hq, max_q, max_kv]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

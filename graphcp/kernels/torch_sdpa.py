@@ -15,6 +15,10 @@ with an additive mask. Sequences of one shape share
 calls; rows past the last sequence are zeros. The reference kernel runs instead on CUDA, where the
 torch kernel is only a fallback, and for short batches, where its one padded call costs less than a
 call per shape (measured crossover: requests of about 128 tokens).
+
+A sliding window (``window`` W) keeps each query to its last W keys: rows run in blocks, each over
+the band of keys any of its rows sees (at most W + the block's limit span), with an additive mask.
+Attention sinks scale each row by e^lse / (e^lse + e^sink), once, after its parts are merged.
 """
 from __future__ import annotations
 
@@ -169,16 +173,19 @@ def _read(pool: torch.Tensor, slots: torch.Tensor | list[slice] | slice, seqs: i
 def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor,
                          q_limits: torch.Tensor, page_size: int, scale: float, max_q: int,
-                         max_kv: int, out: torch.Tensor, *,
-                         workspace: dict | None = None) -> torch.Tensor:
+                         max_kv: int, out: torch.Tensor, *, workspace: dict | None = None,
+                         window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``torch_paged_attention``; ``max_q`` only tells an empty batch apart,
     ``max_kv`` also a short one."""
     if q.device.type != "cpu" or max_kv <= _SHORT_KV:
         return torch_paged_attention(q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits,
-                                     page_size, scale, max_q, max_kv, out, workspace=workspace)
+                                     page_size, scale, max_q, max_kv, out, workspace=workspace,
+                                     window=window, sinks=sinks)
     if max_q == 0:
         return out.zero_()
     meta = (cu_seqlens_q, page_rows, q_limits)
+    if window:
+        return _windowed(q, k_pool, v_pool, meta, page_size, scale, out, workspace, window, sinks)
     used, blind, groups = per_forward(workspace, f"sdpa{page_size}", meta,
                                       lambda: _plan(*meta, page_size))
     (out if blind else out[used:]).zero_()
@@ -188,7 +195,7 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
             qg, og = (x[group.rows].unflatten(0, (group.seqs, -1)) for x in (q, out))
             for block in group.blocks:
                 rows = slice(block.row_start, block.row_end)
-                o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale)
+                o = _attend_block(qg[:, rows].transpose(1, 2), k, v, block, scale, sinks)
                 og[:, rows] = o.transpose(1, 2)
             continue
         # Several sequences (or one in pieces), causal: one block; rows gathered (copies of the
@@ -196,7 +203,7 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         block = group.blocks[0]
         qg = torch.cat([q[a:b] for a, b in group.rows])
         qg = qg.view(group.seqs, block.row_end, *q.shape[1:])
-        o = _attend_block(qg.transpose(1, 2), k, v, block, scale).transpose(1, 2)  # [G, q_len, ...]
+        o = _attend_block(qg.transpose(1, 2), k, v, block, scale, sinks).transpose(1, 2)
         done = 0
         for a, b in group.rows:
             seq, row = divmod(done, block.row_end)
@@ -205,10 +212,68 @@ def torch_sdpa_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return out
 
 
+@dataclass
+class _Band:
+    """Query rows [start, end) of one sequence and the keys any of them sees under the window:
+    their slots (a slice where consecutive) and an additive mask [rows, keys]."""
+    start: int
+    end: int
+    slots: torch.Tensor | slice
+    mask: torch.Tensor
+
+
+def _window_plan(cu_seqlens_q: torch.Tensor, page_rows: torch.Tensor, q_limits: torch.Tensor,
+                 page_size: int, window: int, dtype: torch.dtype) -> list[_Band]:
+    """Row blocks of every sequence, each with its band of keys [first limit - W, last limit):
+    layer-independent, made once per forward on the host."""
+    cu, table, limits = (t.numpy() for t in (cu_seqlens_q, page_rows, q_limits))
+    bands = []
+    for seq, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        # limits never decrease: rows that see no key (limit 0) lead; they stay zeros
+        start += int(np.searchsorted(limits[start:end], 1))
+        for a in range(start, end, _MASKED_BLOCK_ROWS):
+            b = min(a + _MASKED_BLOCK_ROWS, end)
+            lo, hi = max(int(limits[a]) - window, 0), int(limits[b - 1])
+            keys = np.arange(lo, hi)
+            slots = table[seq][keys // page_size] * page_size + keys % page_size
+            lim = limits[a:b, None]
+            seen = (keys[None, :] < lim) & (keys[None, :] >= lim - window)
+            mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(torch.from_numpy(~seen),
+                                                                     float("-inf"))
+            step = np.diff(slots)
+            read = (slice(int(slots[0]), int(slots[-1]) + 1) if (step == 1).all()
+                    else torch.from_numpy(slots[None]))
+            bands.append(_Band(a, b, read, mask))
+    return bands
+
+
+def _windowed(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: tuple,
+              page_size: int, scale: float, out: torch.Tensor, workspace: dict | None,
+              window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    bands = per_forward(workspace, f"sdpa{page_size}/w{window}/{q.dtype}", meta,
+                        lambda: _window_plan(*meta, page_size, window, q.dtype))
+    out.zero_()
+    for band in bands:
+        k, v = _read(k_pool, band.slots, 1), _read(v_pool, band.slots, 1)
+        qb = q[band.start:band.end].transpose(0, 1)[None]                      # [1, H, rows, D]
+        o, lse = _flash(qb, k, v, attn_mask=band.mask, scale=scale)
+        out[band.start:band.end] = _sunk(o, lse, sinks)[0].transpose(0, 1)
+    return out
+
+
+def _sunk(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """o [G, H, rows, D] with its rows' log-sum-exp [G, H, rows]: each row's softmax denominator
+    gains its head's sink logit e^sink (which attends nothing)."""
+    if sinks is None:
+        return o
+    keep = torch.sigmoid(lse - sinks.float()[None, :, None])
+    return (o.float() * keep.unsqueeze(-1)).to(o.dtype)
+
+
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
-                  scale: float) -> torch.Tensor:
+                  scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
     if block.stride > 1:
-        return _attend_residues(q, k, v, block, scale)
+        return _sunk(*_attend_residues(q, k, v, block, scale), sinks)
     diagonal = slice(block.split, block.end)
     if block.limits is None:
         o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], is_causal=True, scale=scale)
@@ -218,23 +283,25 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Blo
         mask.masked_fill_(keys[None, :] >= block.limits[:, None], float("-inf"))
         o, lse = _flash(q, k[:, :, diagonal], v[:, :, diagonal], attn_mask=mask, scale=scale)
     if block.split == 0:
-        return o
+        return _sunk(o, lse, sinks)
     prefix = slice(0, block.split)
     o_prefix, lse_prefix = _flash(q, k[:, :, prefix], v[:, :, prefix], scale=scale)
     # softmax over both parts = the parts' softmaxes weighted by exp(lse) / sum
     weight = torch.sigmoid(lse_prefix - lse).unsqueeze(-1)
-    return torch.lerp(o.float(), o_prefix.float(), weight).to(o.dtype)
+    merged = torch.lerp(o.float(), o_prefix.float(), weight).to(o.dtype)
+    return _sunk(merged, torch.logaddexp(lse, lse_prefix), sinks)
 
 
 def _attend_residues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _Block,
-                     scale: float) -> torch.Tensor:
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Limits first + c * j: query j sees the keys [0, first) and, of key first + c * t + s, those
     with t < j, for every residue s; so keys past ``first`` in [c, H, rows - 1, D] (residue as the
-    batch) are one causal square against queries 1.. (query 0 sees only the first part)."""
+    batch) are one causal square against queries 1.. (query 0 sees only the first part).
+    Returns the output and each row's log-sum-exp."""
     o_prefix, lse_prefix = _flash(q, k[:, :, :block.split], v[:, :, :block.split], scale=scale)
     rows = q.shape[2]
     if rows == 1:
-        return o_prefix
+        return o_prefix, lse_prefix
     c, tail = block.stride, slice(block.split, block.end)
 
     def residues(x: torch.Tensor) -> torch.Tensor:                 # [c, H, rows - 1, D] views
@@ -243,7 +310,9 @@ def _attend_residues(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: _
     o, lse = _flash(q[:, :, 1:].expand(c, -1, -1, -1), residues(k), residues(v), is_causal=True,
                     scale=scale)
     # the c + 1 partial softmaxes of queries 1.., weighted by exp(lse) / sum
-    weight = torch.softmax(torch.cat([lse_prefix[:, :, 1:], lse]), 0).unsqueeze(-1)
+    lses = torch.cat([lse_prefix[:, :, 1:], lse])
+    weight = torch.softmax(lses, 0).unsqueeze(-1)
     parts = torch.cat([o_prefix[:, :, 1:], o]).float()
     merged = (weight * parts).sum(0, keepdim=True).to(o.dtype)
-    return torch.cat([o_prefix[:, :, :1], merged], 2)
+    total = torch.cat([lse_prefix[:, :, :1], torch.logsumexp(lses, 0, keepdim=True)], 2)
+    return torch.cat([o_prefix[:, :, :1], merged], 2), total

@@ -7,7 +7,9 @@ sequence: sequence s is cut into ceil(q_len_s / BLOCK_M) tiles and the rows past
 segments that is at most T // BLOCK_M + S + 1 tiles, which is the grid's second axis; surplus
 programs exit without work. A program finds its segment from a prefix sum over ``cu_seqlens_q``
 computed in the kernel, and bounds its key loop by the largest ``q_limits`` among its rows (key
-blocks past every row's limit are skipped).
+blocks past every row's limit are skipped). A sliding window (``window`` W) also starts the loop at
+the smallest row's limit - W; only the blocks no row sees whole are masked. Attention sinks add
+each head's logit to the row's softmax denominator after the loop (once per row).
 
 Grid axis 0 is the query head; GQA maps query head h to kv head h // (Hq // Hkv). K and V tiles are
 gathered as [BLOCK_N, D] rows through the page table (the QK dot reads K transposed); offsets are
@@ -26,11 +28,12 @@ from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 
 
 @triton.jit
-def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, K_HEAD, V_HEAD, d, stride_ks, stride_kd,
+def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, stride_ks, stride_kd,
                stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
                MASKED: tl.constexpr, WIDE: tl.constexpr):
-    """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages."""
+    """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages; masked: each
+    row sees keys [low, lim)."""
     kpos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = kpos < hi
@@ -50,7 +53,8 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, K_HEAD, V_HEAD, d, stri
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale           # log2 domain
     if MASKED:
-        qk = tl.where(kpos[None, :] < lim[:, None], qk, float("-inf"))
+        seen = (kpos[None, :] < lim[:, None]) & (kpos[None, :] >= low[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(qk - m_new[:, None])
@@ -68,16 +72,16 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, K_HEAD, V_HEAD, d, stri
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, KP, VP, CU, PR, LIM, OUT,
+    Q, KP, VP, CU, PR, LIM, OUT, SINKS,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_pr, stride_pp,
-    T, S, P, qk_scale,
+    T, S, P, qk_scale, window,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-    DOT_F32: tl.constexpr, WIDE: tl.constexpr,
+    DOT_F32: tl.constexpr, WIDE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     head = tl.program_id(0)      # heads vary fastest: programs sharing a kv head run together (L2)
     pid = tl.program_id(1)
@@ -120,17 +124,37 @@ def _paged_attn_kernel(
         pr_row = PR + seq * stride_pr
         k_head = KP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_kh
         v_head = VP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_vh
-        # Key blocks below every live row's limit need no mask (most of a long causal row).
+        # Each row sees keys [low, lim): low = lim - window (window 0: no window, low = 0).
+        low = tl.where(window > 0, tl.maximum(lim - window, 0), 0)
+        # Key blocks every live row sees whole need no mask (most of a long causal row): those
+        # from the largest low on, below the smallest limit.
         lo = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+        first = (tl.min(tl.where(row_ok, low, 2147483647), 0) // BLOCK_N) * BLOCK_N
+        full_start = ((tl.max(tl.where(row_ok, low, 0), 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
         full_end = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N
-        for start in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, k_head, v_head,
-                                       d, stride_ks, stride_kd, stride_vs, stride_vd, stride_pp,
-                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False, WIDE)
-        for start in range(full_end, hi, BLOCK_N):
-            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, pr_row, k_head, v_head,
-                                       d, stride_ks, stride_kd, stride_vs, stride_vd, stride_pp,
-                                       qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True, WIDE)
+        whole = full_end > full_start
+        head_end = tl.where(whole, full_start, hi)
+        for start in range(first, head_end, BLOCK_N):
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
+                                       v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True,
+                                       WIDE)
+        for start in range(full_start, tl.where(whole, full_end, full_start), BLOCK_N):
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
+                                       v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, False,
+                                       WIDE)
+        for start in range(tl.where(whole, full_end, hi), hi, BLOCK_N):
+            m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
+                                       v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                       stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32, True,
+                                       WIDE)
+        if HAS_SINKS:       # the head's sink logit joins every row's denominator (log2 domain)
+            sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -174,8 +198,8 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            q_limits: torch.Tensor, page_size: int, scale: float, max_q: int,
                            max_kv: int, out: torch.Tensor, *, block_m: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None,
-                           workspace: dict | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, workspace: dict | None = None,
+                           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``torch_paged_attention``. ``max_q``/``max_kv`` are accepted for the shared
     signature but never needed: every length is read from device memory, so 0 ("unknown on the
     host") is fine and the launch is graph-capturable. ``block_m``/``block_n`` (powers of two >=
@@ -204,16 +228,19 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     dot_f32, prec = dot_mode(q)
     grid = (Hq, T // bm + S + 1)
     assert grid[1] <= 65535, f"{T} query rows need more than 65535 tiles of {bm}; raise block_m"
+    assert sinks is None or sinks.shape == (Hq,), f"sinks must be [{Hq}] (one per query head)"
     _paged_attn_kernel[grid](
         q, k_pool, v_pool, cu_seqlens_q, page_rows, q_limits, out,
+        sinks if sinks is not None else q,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         page_rows.stride(0), page_rows.stride(1),
-        T, S, P, float(scale) * LOG2E,
+        T, S, P, float(scale) * LOG2E, int(window),
         GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s,
-        PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out), num_warps=warps,
+        PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out),
+        HAS_SINKS=sinks is not None, num_warps=warps,
         num_stages=stages,
     )
     return out

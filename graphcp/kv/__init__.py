@@ -30,7 +30,7 @@ class RankCache:
 
 
 def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: torch.dtype, max_positions: int,
-              sliding_window: int | None, write_kernel: Callable | None = None, announce: bool = False,
+              write_kernel: Callable | None = None,
               state_parts: LayerParts | None = None, weight_bytes: int = 0,
               graph_buckets: int = 0, latent: bool = False) -> RankCache:
     """The rank's pool for ``parts`` (its stage's layers), the same size on every rank (the least
@@ -53,7 +53,7 @@ def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: t
                                                args.max_batch_requests, args.page_size),
                            agree_min=par.min_over_world)
     num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
-    max_context = context_limit(max_positions, tokens, sliding_window, announce)
+    max_context = context_limit(max_positions, tokens)
     log.info("graphcp memory: rank %d: %s", par.me.rank,
              describe(weight_bytes, per_token, budget, tokens, max_context))
     if split:

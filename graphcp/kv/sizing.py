@@ -9,7 +9,6 @@ things: the pool takes a fifth of the available memory, as before.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -18,7 +17,6 @@ import torch
 
 from graphcp.errors import ConfigError
 
-log = logging.getLogger("graphcp")
 GIB, MIB = 1 << 30, 1 << 20
 CPU_POOL_SHARE = 0.2
 
@@ -134,17 +132,9 @@ def agreed_tokens(compute: Callable[[], int], agree_min: Callable[[int], int]) -
     return agreed
 
 
-def context_limit(max_positions: int, pool_tokens: int, sliding_window: int | None, warn: bool) -> int:
-    """The longest request (cached + new tokens). Within a sliding window every key is visible, so full
-    causal attention is exact; past it, it is not, and graphcp has no windowed kernels: longer requests
-    are refused instead of answered wrongly."""
-    limit = min(max_positions, pool_tokens)
-    if sliding_window is not None and sliding_window < limit:
-        limit = sliding_window
-        if warn:
-            log.warning("graphcp: the model attends through a %d-token sliding window, which graphcp does not "
-                        "implement: requests are limited to %d tokens", sliding_window, sliding_window)
-    return limit
+def context_limit(max_positions: int, pool_tokens: int) -> int:
+    """The longest request (cached + new tokens): the RoPE tables' reach and the pool's size."""
+    return min(max_positions, pool_tokens)
 
 
 def describe(weights: int, bytes_per_token: int, budget: PoolBudget, tokens: int,

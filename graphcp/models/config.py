@@ -35,7 +35,8 @@ class ModelConfig:
     qk_norm: bool = False
     o_bias: bool = False         # o_proj bias (Llama and Qwen3 with attention_bias)
     mlp_bias: bool = False       # gate/up/down biases (Llama's mlp_bias)
-    sliding_window: int | None = None   # set when some layer attends through a window (graphcp caps the context)
+    sliding_window: int | None = None   # W: a sliding layer's query at position p sees keys p-W < j <= p
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend through the window (others fully)
     fp8_block: tuple[int, int] | None = None   # FP8 checkpoint: weight_block_size (output rows, input columns)
     fp8_skip: tuple[str, ...] = ()              # FP8 checkpoint: modules left unquantized (modules_to_not_convert)
     fp8_scale_fmt: str = "float"                # FP8 checkpoint: "ue8m0": every block scale a power of two
@@ -46,6 +47,10 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()    # layers whose FFN is the MoE block (the others are dense)
     attention_kinds: tuple[str, ...] = ()   # per layer: the attention kind (graphcp/attention/kinds.py)
     family_config: Any = None           # the family's own fields (its config.py's dataclass)
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s attention window W, 0 where it attends to every earlier key."""
+        return self.sliding_window if self.sliding_window and layer in self.sliding_layers else 0
 
     @property
     def q_size(self) -> int:
