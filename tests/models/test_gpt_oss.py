@@ -67,16 +67,21 @@ def test_mxfp4_unpacks_as_transformers():
     assert torch.equal(ours.transpose(1, 2), theirs)
 
 
-def test_experts_stay_in_four_bits(mxfp4, plain):
-    """A rank holds the packed bytes and scales, never a dequantized copy of the experts."""
-    raw = json.load(open(os.path.join(mxfp4, "config.json")))
+def _expert_values(path: str) -> int:
+    """Expert weight values of the whole model (both layers)."""
+    raw = json.load(open(os.path.join(path, "config.json")))
     hidden, inter, experts = raw["hidden_size"], raw["intermediate_size"], raw["num_local_experts"]
-    per_layer = experts * (2 * inter * hidden + hidden * inter) * (1 / 2 + 1 / 32)
+    return raw["num_hidden_layers"] * experts * 3 * hidden * inter
+
+
+def test_experts_stay_in_four_bits(mxfp4, plain):
+    """A rank holds the packed bytes (half a byte per value) and scales (one byte per 32), never
+    a dequantized copy of the experts."""
     ours = weight_bytes_by_dtype(load_model(mxfp4, torch.float32, torch.device("cpu")))
     unquantized = weight_bytes_by_dtype(load_model(plain, torch.float32, torch.device("cpu")))
-    assert ours["uint8"] == 2 * per_layer
-    dense_experts = 2 * experts * 3 * hidden * inter * 4
-    assert ours["float32"] == unquantized["float32"] - dense_experts
+    values = _expert_values(mxfp4)
+    assert ours["uint8"] == values // 2 + values // 32
+    assert ours["float32"] == unquantized["float32"] - values * 4
 
 
 def _broken(src: str, dst: str, change) -> str:
@@ -141,3 +146,37 @@ def test_hf_oracle_sees_the_window_and_the_sinks(mxfp4, hf):
         no_sinks = model(ids).logits[0, -1]
     assert isinstance(model, transformers.GptOssForCausalLM)
     assert rel_err(wide, base) > 1e-3 and rel_err(no_sinks, wide) > 1e-3
+
+
+def test_one_rank_in_graphs_matches_hf(engines, hf, mxfp4):
+    engine = engines.get(mxfp4, cuda_graph_buckets=[128])
+    _parity(engine, hf, mxfp4, "one rank, MXFP4, graphs")
+
+
+def test_cp2_zigzag_ep2_in_graphs_matches_hf(engines, hf, mxfp4):
+    """Each CP rank holds half of every request (zigzag) and two of the four experts."""
+    engine = engines.get(mxfp4, tp_size=2, ep_size=2, attn_cp_size=2, enable_prefill_cp=True,
+                         cp_strategy="zigzag", cuda_graph_buckets=[64])
+    _parity(engine, hf, mxfp4, "CP 2 zigzag x EP 2, MXFP4, graphs")
+    one = engines.get(mxfp4, cuda_graph_buckets=[128]).stats()["weight_bytes"]
+    # each rank holds half the 4-bit experts and their fp32 biases, nothing more
+    raw = json.load(open(os.path.join(mxfp4, "config.json")))
+    values, hidden = _expert_values(mxfp4), raw["hidden_size"]
+    biases = 2 * raw["num_local_experts"] * (2 * raw["intermediate_size"] + hidden) * 4
+    half = (values // 2 + values // 32 + biases) // 2
+    assert engine.stats()["weight_bytes_per_rank"] == [one - half] * 2
+
+
+def test_attention_tp2_expert_tp2_in_graphs_matches_hf(engines, hf, mxfp4):
+    """Two heads and their sinks per rank; each expert split over both ranks in whole MXFP4
+    blocks (32 of the 64 intermediate features each), the down bias added once."""
+    engine = engines.get(mxfp4, tp_size=2, cuda_graph_buckets=[128])
+    _parity(engine, hf, mxfp4, "attention TP 2 x expert TP 2, MXFP4, graphs")
+
+
+def test_interleave_cp2_ep2_all_to_all_unquantized_matches_hf(engines, hf, plain):
+    """Unquantized experts (transformers' [E, in, out] tensors, gate/up interleaved), the
+    all-to-all token flow; interleave runs eagerly."""
+    engine = engines.get(plain, tp_size=2, ep_size=2, attn_cp_size=2, enable_prefill_cp=True,
+                         cp_strategy="interleave", moe_a2a_backend="all_to_all")
+    _parity(engine, hf, plain, "CP 2 interleave x EP 2 all-to-all, unquantized", graphs=False)

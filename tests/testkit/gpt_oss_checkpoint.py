@@ -115,8 +115,8 @@ def _mxfp4_modules(raw: dict, layers: int) -> set[str]:
 
 class GptOssHF:
     """HF transformers in fp32 (eager attention: sinks), MXFP4 experts through transformers' own
-    dequantizer; one pass per (checkpoint, ids): (last-token logits, every layer's K/V over every
-    token). The cache is a plain DynamicCache, which keeps the sliding layers' whole K/V too."""
+    dequantizer; one pass per (checkpoint, ids): (last-token logits, every layer's cached K/V: a
+    sliding layer's last sliding_window - 1 tokens, as HF's cache keeps them)."""
 
     def __init__(self) -> None:
         self.models: dict[str, object] = {}
@@ -133,12 +133,11 @@ class GptOssHF:
 
     @torch.no_grad()
     def __call__(self, path: str, ids: list[int]) -> tuple:
-        from transformers import DynamicCache
         key = (path, tuple(ids))
         if key not in self.cache:
             if path not in self.models:
                 self.models[path] = self.load(path)
-            out = self.models[path](torch.tensor([ids]), cache=DynamicCache(), use_cache=True)
+            out = self.models[path](torch.tensor([ids]), use_cache=True)
             kv = [(layer.keys[0].float(), layer.values[0].float()) for layer in out.cache.layers]
             self.cache[key] = (out.logits[0, -1].float(), kv)
         return self.cache[key]

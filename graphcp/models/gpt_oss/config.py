@@ -75,6 +75,7 @@ def read_config(f: Fields, arch: str) -> dict:
     fields.update(
         qkv_bias=bias, o_bias=bias, attention_kinds=("gqa",) * layers,
         sliding_window=window if SLIDING in layer_types else None,
+        sliding_layers=tuple(i for i, t in enumerate(layer_types) if t == SLIDING),
         num_experts=experts, num_experts_per_tok=top_k,
         moe_intermediate_size=fields["intermediate_size"], moe_layers=tuple(range(layers)),
         family_config=family,
