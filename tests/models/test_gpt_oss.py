@@ -6,6 +6,7 @@ TP 2 with expert TP 2, interleave CP 2, MXFP4 and unquantized experts. The MXFP4
 in memory; broken MXFP4 files are refused by name."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -129,25 +130,6 @@ def test_the_config_decides_which_experts_are_mxfp4(plain, tmp_path):
         load_model(path, torch.float32, torch.device("cpu"))
 
 
-def test_hf_oracle_sees_the_window_and_the_sinks(mxfp4, hf):
-    """The oracle's logits move with the window and the sinks (so parity below checks both)."""
-    import transformers
-    model = hf.load(mxfp4)
-    ids = torch.tensor([random_ids(60, VOCAB, 9)])
-    with torch.no_grad():
-        base = model(ids).logits[0, -1]
-        model.config.sliding_window = 1000
-        for layer in model.model.layers:
-            if layer.self_attn.sliding_window is not None:
-                layer.self_attn.sliding_window = 1000
-        wide = model(ids).logits[0, -1]
-        for layer in model.model.layers:
-            layer.self_attn.sinks.fill_(-1e4)
-        no_sinks = model(ids).logits[0, -1]
-    assert isinstance(model, transformers.GptOssForCausalLM)
-    assert rel_err(wide, base) > 1e-3 and rel_err(no_sinks, wide) > 1e-3
-
-
 def test_one_rank_in_graphs_matches_hf(engines, hf, mxfp4):
     engine = engines.get(mxfp4, cuda_graph_buckets=[128])
     _parity(engine, hf, mxfp4, "one rank, MXFP4, graphs")
@@ -180,3 +162,22 @@ def test_interleave_cp2_ep2_all_to_all_unquantized_matches_hf(engines, hf, plain
     engine = engines.get(plain, tp_size=2, ep_size=2, attn_cp_size=2, enable_prefill_cp=True,
                          cp_strategy="interleave", moe_a2a_backend="all_to_all")
     _parity(engine, hf, plain, "CP 2 interleave x EP 2 all-to-all, unquantized", graphs=False)
+
+
+def test_hf_oracle_sees_the_window_and_the_sinks(mxfp4, hf):
+    """The oracle's logits move with the window and the sinks (so parity checks both)."""
+    import transformers
+    model = copy.deepcopy(hf.models.get(mxfp4) or hf.load(mxfp4))     # the oracle stays as loaded
+    ids = torch.tensor([random_ids(60, VOCAB, 9)])
+    with torch.no_grad():
+        base = model(ids).logits[0, -1]
+        model.config.sliding_window = 1000
+        for layer in model.model.layers:
+            if layer.self_attn.sliding_window is not None:
+                layer.self_attn.sliding_window = 1000
+        wide = model(ids).logits[0, -1]
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        no_sinks = model(ids).logits[0, -1]
+    assert isinstance(model, transformers.GptOssForCausalLM)
+    assert rel_err(wide, base) > 1e-3 and rel_err(no_sinks, wide) > 1e-3
