@@ -104,15 +104,17 @@ def _merge_aux(replies: list[RankReply]) -> torch.Tensor | None:
 
 
 def _merge_kv(parts: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's entry, its attention-TP ranks' heads joined as the layer's kind joins them."""
+    from graphcp.attention.kinds import KINDS
     by_layer: dict[int, list[tuple[int, tuple]]] = {}
+    kinds: dict[int, str] = {}
     for part in parts:
-        for i, kv in enumerate(part["layers"]):
+        for i, (kv, kind) in enumerate(zip(part["layers"], part["kinds"])):
             by_layer.setdefault(part["first_layer"] + i, []).append((part["attn_tp_rank"], kv))
+            kinds[part["first_layer"] + i] = kind
     out = []
     for layer in sorted(by_layer):
         shards = [kv for _, kv in sorted(by_layer[layer], key=lambda x: x[0])]
-        if len(shards) == 1:      # one attention-TP rank: the layer as the rank returned it (DSA too)
-            out.append(shards[0])
-            continue
-        out.append((torch.cat([k for k, _ in shards]), torch.cat([v for _, v in shards])))
+        # one attention-TP rank: the layer as the rank returned it (DSA too)
+        out.append(shards[0] if len(shards) == 1 else KINDS[kinds[layer]].join(shards))
     return out

@@ -295,7 +295,8 @@ class ModelRunner:
         layers = [self.attention.export(layer, parts) for layer, parts in zip(held, rows)]
         me = self.par.me
         return {"first_layer": held.start, "attn_tp_rank": me.attn_tp_rank, "cp_rank": me.cp_rank,
-                "layers": layers, "some_layers": held != self.par.layers}
+                "layers": layers, "some_layers": held != self.par.layers,
+                "kinds": [self.attention.kinds[layer].name for layer in held]}
 
     def _kept(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The slots a layer's cache keeps for later tokens: a sliding layer's last W - 1 (as

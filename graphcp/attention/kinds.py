@@ -24,6 +24,12 @@ from graphcp.models.deepseek.config import MLAConfig
 from graphcp.models.qwen3_next.config import HybridConfig
 
 
+def join_heads(shards: list[tuple]) -> tuple:
+    """One layer's ``kv_cache`` entry from its attention-TP ranks' (in rank order): each part's
+    heads side by side (dim 0; a part a kind leaves None stays None)."""
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*shards))
+
+
 @dataclass(frozen=True)
 class LayerKind:
     name: str
@@ -35,6 +41,7 @@ class LayerKind:
     graph_reason: str | None = None                                # why its layers run eagerly
     heads_split: bool = True        # attention-TP ranks cache their own heads (else the same rows)
     state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None  # per request
+    join: Callable[[list[tuple]], tuple] = join_heads      # attention-TP ranks' exports -> one
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -67,8 +74,9 @@ def _dsa_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
 
 
 def _linear_state(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
-    """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs), the delta-rule state (fp32)."""
-    h = HybridConfig.of(cfg)
+    """Gated DeltaNet: the conv window (the last K-1 q|k|v inputs), the delta-rule state (fp32),
+    of a rank's heads."""
+    h = HybridConfig.of(cfg).per_rank(attn_tp)
     return (CachePart(CONV, (h.conv_kernel - 1, h.conv_dim)),
             CachePart(RECURRENT, (h.num_v_heads, h.head_k_dim, h.head_v_dim), torch.float32))
 
@@ -78,6 +86,19 @@ def _linear_export(cfg: ModelConfig, rows: tuple[torch.Tensor, ...]) -> tuple:
     [Hv, dk, dv]). HF's cache keeps the window as [conv_dim, K] with one older input, never read."""
     window, state = rows
     return window.float().cpu(), state.float().cpu()
+
+
+def _linear_join(shards: list[tuple]) -> tuple:
+    """Gated DeltaNet: the delta states' heads side by side; each window's channels are the rank's
+    q|k|v (its key heads' q, k; their value heads' v), so each section is joined on its own. A
+    rank's v has its state's heads x dv channels, q and k split the rest."""
+    sections = []
+    for window, state in shards:
+        v = state.shape[0] * state.shape[2]
+        k = (window.shape[1] - v) // 2
+        sections.append(window.split([k, k, v], 1))
+    window = torch.cat([torch.cat(part, 1) for part in zip(*sections)], 1)
+    return window, torch.cat([state for _, state in shards])
 
 
 KINDS = {
@@ -95,7 +116,8 @@ KINDS = {
     "deepseek_v4_csa": LayerKind("deepseek_v4_csa", V4CSAAttention, v4_parts, v4_export,
                                  "deepseek_v4", ("dsa",), V4_REASON),
     "gated_deltanet": LayerKind("gated_deltanet", linear_attention, lambda cfg, layer, tp: (),
-                                _linear_export, "gated_deltanet", (), state=_linear_state),
+                                _linear_export, "gated_deltanet", (), state=_linear_state,
+                                join=_linear_join),
 }
 
 

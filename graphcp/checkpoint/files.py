@@ -8,6 +8,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from graphcp.distributed.shards import Pieces
 from graphcp.errors import ConfigError
 
 
@@ -49,7 +50,7 @@ class SafetensorsReader:
     def label(name: str) -> str:
         return name
 
-    def read(self, name: str, shard: tuple[int, int, int] | None) -> torch.Tensor:
+    def read(self, name: str, shard: tuple[int, int, int] | Pieces | None) -> torch.Tensor:
         return self.take(name, lambda s: read_slice(s, shard))
 
     def take(self, name: str, index) -> torch.Tensor:
@@ -58,8 +59,10 @@ class SafetensorsReader:
             return index(s) if callable(index) else s[index]
 
 
-def read_slice(tensor_slice, shard: tuple[int, int, int] | None) -> torch.Tensor:
+def read_slice(tensor_slice, shard: tuple[int, int, int] | Pieces | None) -> torch.Tensor:
     if shard is None:
         return tensor_slice[:]
+    if isinstance(shard, Pieces):       # row ranges, each read on its own
+        return torch.cat([tensor_slice[start:end] for start, end in shard.ranges])
     dim, start, end = shard
     return tensor_slice[start:end] if dim == 0 else tensor_slice[:, start:end]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import Pieces
 from graphcp.errors import ConfigError
-from graphcp.models.common.quantized import block_index, origin, scale_name, scale_shard
+from graphcp.models.common.quantized import block_index, origin, row_blocks, scale_name, scale_shard
 from graphcp.models.config import ModelConfig
 
 _SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -78,12 +79,12 @@ def dequantize(
     weight: torch.Tensor,
     scale: torch.Tensor,
     block: tuple[int, int],
-    shard: tuple[int, int, int] | None = None,
+    shard: tuple[int, int, int] | Pieces | None = None,
 ) -> torch.Tensor:
     """float32 weight of an FP8 slice; ``scale`` holds the scale rows/columns covering it
     (``scale_shard``)."""
-    row0, col0 = origin(shard)
-    rows = block_index(row0, weight.shape[0], block[0])
+    col0 = origin(shard)[1]
+    rows = row_blocks(shard, weight.shape[0], block[0])
     cols = block_index(col0, weight.shape[1], block[1])
     scale = (
         scale.float().index_select(0, rows.to(scale.device)).index_select(1, cols.to(scale.device))
@@ -94,7 +95,7 @@ def dequantize(
 def read_dequantized(
     read,
     name: str,
-    shard: tuple[int, int, int] | None,
+    shard: tuple[int, int, int] | Pieces | None,
     block: tuple[int, int],
 ) -> torch.Tensor:
     """A slice of an FP8 checkpoint weight, dequantized exactly: ``read(tensor_name, shard)``

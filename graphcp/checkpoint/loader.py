@@ -6,6 +6,8 @@ the tensors of its pipeline stage and only its tensor-parallel slice of each.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ from graphcp.models.config import ModelConfig
 from graphcp.models.registry import family_of
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+log = logging.getLogger("graphcp")
 
 
 def load_model(model_path: str, dtype: torch.dtype, device: torch.device, tp: TPInfo | None = None,
@@ -126,6 +129,18 @@ def _finite(source: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _log_skipped(names: list[str], unused: tuple[str, ...]) -> None:
+    """Name what is read past, a line per skipped module, so an override that drops modules shows."""
+    groups: dict[str, int] = {}
+    for name in names:
+        entry = next(u for u in unused if name.startswith(u))
+        module = entry.rstrip(".") if entry.endswith(".") else entry.rsplit(".", 2)[0]
+        groups[module] = groups.get(module, 0) + 1
+    for module, count in groups.items():
+        log.info("checkpoint tensors not loaded (the model does not use them): %s.* (%d)",
+                 module, count)
+
+
 def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple],
                             reader: SafetensorsReader | GGUFReader, quantized: set[str],
                             unused: tuple[str, ...]) -> None:
@@ -141,8 +156,10 @@ def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple],
                           f"{label(missing[0])!r}{hint}")
     # ``unused``: what the family's releases carry that HF skips too (MTP layers)
     unexpected = [n for n in shapes if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")
-                  and not n.startswith(unused or ("\0",))]
+                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    skipped = [n for n in unexpected if n.startswith(unused or ("\0",))]
+    _log_skipped(skipped, unused)
+    unexpected = [n for n in unexpected if not n.startswith(unused or ("\0",))]
     if unexpected:
         raise ConfigError(f"--model-path: checkpoint has tensors this {cfg.architecture} does not use, "
                           f"e.g. {label(unexpected[0])!r}")

@@ -52,7 +52,10 @@ def rank_model(cfg: ModelConfig, dtype: torch.dtype, quantized: set[str], tp: TP
     shards = {f"{name}.{p}": mod.shard for name, mod in model.named_modules() if hasattr(mod, "shard")
               for p in ("weight", "bias")
               if getattr(mod, p, None) is not None and not (p == "bias" and mod.shard[0] == 1)}
-    return model, {**shards, **scale_shards}
+    # Other tensors a module splits (per-head parameters, a conv over split channels), by name.
+    others = {f"{name}.{t}": shard for name, mod in model.named_modules()
+              for t, shard in getattr(mod, "tensor_shards", {}).items()}
+    return model, {**shards, **others, **scale_shards}
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, Experts]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,29 @@ def shard_range(total: int, size: int, rank: int, unit: int = 1) -> tuple[int, i
     per = -(-units // size)
     start = min(units, rank * per)
     return start * unit, min(units, start + per) * unit
+
+
+class Pieces(NamedTuple):
+    """A shard made of several row ranges of one tensor, stacked in order: a rank's part of each
+    section of a projection whose output is sections side by side (q|k|v), or of a weight over
+    those channels. ``dim`` comes first, as in a ``(dim, start, end)`` shard."""
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+
+def section_pieces(sections: tuple[tuple[int, int], ...], size: int, rank: int) -> Pieces:
+    """Rank's rows of outputs made of ``sections`` ((rows, unit) each, side by side): its
+    ``shard_range`` of every section, in section order."""
+    ranges, offset = [], 0
+    for rows, unit in sections:
+        start, end = shard_range(rows, size, rank, unit)
+        ranges.append((offset + start, offset + end))
+        offset += rows
+    return Pieces(0, tuple(ranges))
 
 
 def even_split(total: int, parts: int, index: int) -> tuple[int, int]:

@@ -153,7 +153,8 @@ def run(argv: list[str]) -> int:
         print(table)
     if isinstance(family, HybridConfig):   # the linear layers' work per zigzag rank, their exchange
         dtype = resolve_dtype(args.dtype, torch.device(args.resolved_device()))
-        table, report["linear_balance"] = linear_table(cases, balance_cp, family, dtype)
+        heads = family.per_rank(args.attn_tp_size)         # a rank exchanges its heads' maps only
+        table, report["linear_balance"] = linear_table(cases, balance_cp, heads, dtype)
         print(table)
     moe = moe_traffic(args, cases, vocab)
     if moe:

@@ -19,7 +19,8 @@ from graphcp.models.qwen3_next.config import HybridConfig
 def linear_rows(cases: list[tuple[int, int]], cp: int, h: HybridConfig,
                 dtype: torch.dtype) -> list[dict]:
     """Per case: tokens each rank runs through the linear layers, their share of the batch, the work
-    against one rank running everything, and the bytes each rank receives per linear layer."""
+    against one rank running everything, and the bytes each rank receives per linear layer (``h``:
+    the heads a rank holds, ``HybridConfig.per_rank`` under attention TP)."""
     dims = (h.conv_kernel, h.conv_dim, h.num_v_heads, h.head_k_dim, h.head_v_dim)
     conv_bytes = torch.empty((), dtype=dtype).element_size()
     widen = (h.head_v_dim + h.head_k_dim) / h.head_v_dim

@@ -323,6 +323,41 @@ def test_index_share_by_schedule_matches_hf(engines, dsa_oracle, ckpt_dir):
     _check(engines.get(path), dsa_oracle, path, [FIRST[:1], SECOND[:1]])
 
 
+def test_index_cache_override_skips_the_shared_layers_indexers(engines, dsa_oracle, ckpt_dir,
+                                                               caplog):
+    """vLLM's IndexCache override for GLM-5: a checkpoint with an indexer on every layer, served
+    with ``index_topk_freq`` set in config.json. Layer 2 becomes shared: its indexer's tensors are
+    read past and named in the log, the answer is HF's on the same folder, and a tensor no indexer
+    has is still refused."""
+    import json
+    import logging
+    import os
+
+    from safetensors.torch import save_file
+
+    from graphcp.checkpoint.loader import load_model
+    path = make_dsa_checkpoint(str(ckpt_dir / "glm5-index-cache"), "GlmMoeDsa", seed=25,
+                               n_group=1, topk_group=1, num_hidden_layers=4,
+                               indexer_types=["full"] * 4)
+    cfg_path = os.path.join(path, "config.json")
+    raw = json.load(open(cfg_path))
+    raw.pop("indexer_types")
+    raw.update(index_topk_freq=2, index_skip_topk_offset=2)
+    json.dump(raw, open(cfg_path, "w"))
+    with caplog.at_level(logging.INFO, logger="graphcp"):
+        engine = engines.get(path)
+    assert "model.layers.2.self_attn.indexer.* (5)" in caplog.text
+    assert "model.layers.1.self_attn.indexer" not in caplog.text
+    _check(engine, dsa_oracle, path, [FIRST[:1], SECOND[:1]])
+    save_file({"model.layers.2.self_attn.indexer.extra.weight": torch.zeros(4, 4)},
+              os.path.join(path, "bad.safetensors"))
+    try:
+        with pytest.raises(ConfigError, match="model.layers.2.self_attn.indexer.extra.weight"):
+            load_model(path, torch.float32, torch.device("cpu"))
+    finally:
+        os.remove(os.path.join(path, "bad.safetensors"))
+
+
 def test_row_chunks_follow_the_kernel():
     """The torch forms gather [rows, keys, width]; the Triton kernels hold [rows, keys] at most, so
     at 32K keys they take 512 rows a call where the torch form takes 4 (128x fewer launches)."""

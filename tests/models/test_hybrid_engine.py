@@ -18,6 +18,7 @@ from testkit.hybrid_reference import HybridHF, make_hybrid_checkpoint, rel_err
 
 from graphcp import Request, RequestError
 from graphcp.checkpoint.config import read_model_config
+from graphcp.memory import memory_report
 
 TOL = 1e-4
 LENGTHS = {"a": 190, "b": 57, "c": 63}
@@ -25,10 +26,17 @@ LENGTHS = {"a": 190, "b": 57, "c": 63}
 # first two batches fill one graph bucket (256 tokens at CP 1, 128 per rank at CP 2) over half.
 BATCHES = ([("a", 0, 120), ("b", 0, 57)], [("a", 120, 190), ("c", 0, 60)], [("c", 60, 63)])
 SMALL = dict(max_batch_requests=2, max_state_requests=2)    # 2 + 2 spare state slots
-ENGINES = {1: dict(SMALL, cuda_graph_buckets=[256]),
-           2: cp_kwargs(2, **SMALL, cuda_graph_buckets=[128]),
-           4: cp_kwargs(4, **SMALL, disable_cuda_graph=True)}
-CASES = [("qwen3_5", 1), ("qwen3_next", 1), ("qwen3_next", 2), ("qwen3_5", 4)]
+# layout -> (engine flags, CP size, attention TP size, graphs)
+LAYOUTS = {"cp1": (dict(SMALL, cuda_graph_buckets=[256]), 1, 1, True),
+           "cp2": (cp_kwargs(2, **SMALL, cuda_graph_buckets=[128]), 2, 1, True),
+           "cp4": (cp_kwargs(4, **SMALL, disable_cuda_graph=True), 4, 1, False),
+           "tp2": (dict(SMALL, tp_size=2, cuda_graph_buckets=[256]), 1, 2, True),
+           # a 4-rank world: attention TP 2 inside each rank of a zigzag CP group of 2
+           "tp4cp2": (dict(cp_kwargs(2, **SMALL, cuda_graph_buckets=[128]), tp_size=4), 2, 2,
+                      True)}
+ENGINES = {layout: flags for layout, (flags, *_) in LAYOUTS.items()}
+CASES = [("qwen3_5", "cp1"), ("qwen3_next", "cp1"), ("qwen3_next", "cp2"), ("qwen3_5", "cp4"),
+         ("qwen3_5", "tp2"), ("qwen3_next", "tp4cp2")]
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -90,13 +98,20 @@ def _chunked_batches_equal_hf(engine, path: str, reference,
     return worst, modes
 
 
-def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list]:
+def _state_bytes_per_layer(path: str, attn_tp: int) -> int:
+    """fp32 conv window and delta state of one linear layer, a rank's share of the heads."""
+    h = read_model_config(path).family_config
+    return 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim
+                ) // attn_tp
+
+
+def _serve(engine, path: str, reference, force_eager: bool, attn_tp: int) -> tuple[float, list]:
     free = engine.stats()["state_slots_free"]
     worst, modes = _chunked_batches_equal_hf(engine, path, reference, force_eager)
     stats = engine.stats()
     assert stats["state_slots_free"] == free - len(LENGTHS)
-    h = read_model_config(path).family_config                # fp32: conv window and delta state, 4 bytes
-    per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
+    h = read_model_config(path).family_config
+    per_layer = _state_bytes_per_layer(path, attn_tp)
     assert stats["state_bytes_per_request"] == len(h.linear_layers) * per_layer
     assert stats["state_slots_total"] == 4           # --max-state-requests 2 + 2 spare
     assert stats["state_bytes"] == (4 + 1) * stats["state_bytes_per_request"]   # + the dummy slot
@@ -107,23 +122,39 @@ def _serve(engine, path: str, reference, force_eager: bool) -> tuple[float, list
     return worst, modes
 
 
-@pytest.mark.parametrize("arch, cp", CASES, ids=[f"{a}-cp{c}" for a, c in CASES])
-def test_hybrid_engine_equals_hf(hybrid, engines, arch, cp):
+@pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{layout}" for a, layout in CASES])
+def test_hybrid_engine_equals_hf(hybrid, engines, arch, layout):
+    """Under attention TP (tp2, tp4cp2) each rank holds its heads' states: the per-rank bytes
+    ``stats`` and ``graphcp memory`` report, and ``kv_cache`` joins the heads back to HF's."""
     paths, reference = hybrid
-    engine = engines.get(paths[arch], **ENGINES[cp])
-    graphs = cp < 4
+    flags, cp, attn_tp, graphs = LAYOUTS[layout]
+    engine = engines.get(paths[arch], **flags)
     for force_eager in ((False, True) if graphs else (True,)):
-        worst, modes = _serve(engine, paths[arch], reference, force_eager)
-        print(f"{arch} CP {cp} {'eager' if force_eager else 'graph'}: modes {modes}, "
+        worst, modes = _serve(engine, paths[arch], reference, force_eager, attn_tp)
+        print(f"{arch} {layout} {'eager' if force_eager else 'graph'}: modes {modes}, "
               f"worst rel err {worst:.1e}")
         assert [mode for mode, _ in modes[:2]] == ["eager" if force_eager else "graph"] * 2
         assert [applied for _, applied in modes] == [cp > 1, cp > 1, False]
+    if attn_tp > 1:
+        _memory_plan_counts_rank_heads(engine, paths[arch], attn_tp)
+
+
+def _memory_plan_counts_rank_heads(engine, path: str, attn_tp: int) -> None:
+    """``graphcp memory`` (planned from config.json) gives every rank the state and weight bytes
+    the running engine holds: 4 state slots of its heads' layers, its head and FFN slices."""
+    stats = engine.stats()
+    plan = memory_report(engine.args, "cpu")
+    h = read_model_config(path).family_config
+    slots = stats["state_slots_total"]
+    assert [r.state_bytes for r in plan.ranks] == \
+        [slots * len(h.linear_layers) * _state_bytes_per_layer(path, attn_tp)] * len(plan.ranks)
+    assert [r.weight_bytes for r in plan.ranks] == stats["weight_bytes_per_rank"]
 
 
 def test_failed_batch_leaves_state_pages_and_slots(hybrid, engines, monkeypatch):
     paths, reference = hybrid
     path = paths["qwen3_5"]
-    engine = engines.get(path, **ENGINES[1])
+    engine = engines.get(path, **ENGINES["cp1"])
     ids = TOKENS["a"]
     engine.prefill([Request("f", ids[:40])])
     before, stats = engine.kv_cache("f"), engine.stats()
@@ -149,7 +180,7 @@ def test_failed_batch_leaves_state_pages_and_slots(hybrid, engines, monkeypatch)
 
 
 def test_too_many_requests_is_a_request_error(hybrid, engines):
-    engine = engines.get(hybrid[0]["qwen3_5"], **ENGINES[1])
+    engine = engines.get(hybrid[0]["qwen3_5"], **ENGINES["cp1"])
     total = engine.stats()["state_slots_total"]
     held = [f"h{i}" for i in range(total - 1)]          # one slot left: a batch of 2 needs 2
     for rid in held:
@@ -174,8 +205,7 @@ def test_pipeline_stages_and_expert_parallel_equal_hf(hybrid, engines):
     engine = engines.get(path, **cp_kwargs(2, pp_size=2, ep_size=2, moe_a2a_backend="all_to_all",
                                            **SMALL))
     worst, _ = _chunked_batches_equal_hf(engine, path, reference, force_eager=False)
-    h = read_model_config(path).family_config
-    per_layer = 4 * ((h.conv_kernel - 1) * h.conv_dim + h.num_v_heads * h.head_k_dim * h.head_v_dim)
+    per_layer = _state_bytes_per_layer(path, 1)
     slots = 4 + 1                                     # 2 + 2 spare, and the dummy slot
     # ranks: stage 0 (CP ranks 0, 1) then stage 1 (CP ranks 2, 3)
     assert engine.stats()["state_bytes_per_rank"] == [slots * per_layer] * 2 + \

@@ -39,6 +39,7 @@ from graphcp.kernels.delta_rule_torch import (
     l2norm,
     state_outputs,
 )
+from graphcp.kernels.fp8_types import FP8
 
 TOL = 1e-4
 
@@ -268,7 +269,6 @@ def test_hybrid_config_reads_the_layer_pattern(tmp_path):
      "--cp-strategy"),
     (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag",
           enable_adaptive_cp=True), "--enable-adaptive-cp"),
-    (dict(tp_size=2), "--tp"),
     (dict(disaggregation_mode="prefill"), "--disaggregation-mode"),
 ])
 def test_hybrid_flags_are_checked(hybrid_dir, flags, named):
@@ -282,9 +282,94 @@ def test_hybrid_flags_are_checked(hybrid_dir, flags, named):
         check_model_flags(EngineArgs(model_path=path, **flags))
 
 
-def test_hybrid_refuses_attention_tp(hybrid_dir):
-    path = str(hybrid_dir / "qwen3_5")
-    if not os.path.isdir(path):
-        make_hybrid_checkpoint(path, "qwen3_5", seed=1)
-    with pytest.raises(ConfigError, match="--tp"):
-        load_model(path, torch.float32, torch.device("cpu"), tp=TPInfo(size=2, rank=0))
+def test_attention_tp_needs_whole_key_heads(tmp_path):
+    """A rank holds whole linear key heads: an attention TP size that does not divide
+    linear_num_key_heads is a ConfigError naming --tp and the field, with or without CP."""
+    under_cp = dict(attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag")
+    check_model_flags(EngineArgs(model_path=_config(tmp_path), tp_size=4, **under_cp),
+                      weights=False)                                    # 2 key heads over TP 2
+    path = _config(tmp_path, linear_num_key_heads=1, linear_num_value_heads=2)
+    for flags in (dict(tp_size=2), dict(tp_size=4, **under_cp)):
+        with pytest.raises(ConfigError, match=r"--tp \d: attention TP size 2 .*"
+                                              r"linear_num_key_heads=1"):
+            check_model_flags(EngineArgs(model_path=path, **flags), weights=False)
+
+
+def _rank_rows(cfg, rank: int, tp: int) -> dict[str, tuple[int, list[int]]]:
+    """Per tensor of one linear and one full-attention layer (its name after the layer's prefix):
+    (dim, the rows or columns of the whole tensor) rank ``rank`` of ``tp`` holds, from the HF
+    layouts: value head j reads key head j // group (repeat_interleave); Qwen3-Next packs
+    [q, k, v-group, z-group] and [b-group, a-group] per key head; Qwen3.5 has q|k|v side by side;
+    a full-attention head's q_proj rows are its query then its gate."""
+    h = cfg.family_config
+    dk, dv, d, group = h.head_k_dim, h.head_v_dim, cfg.head_dim, h.num_v_heads // h.num_k_heads
+    keys = range(rank * h.num_k_heads // tp, (rank + 1) * h.num_k_heads // tp)
+    values = [j for j in range(h.num_v_heads) if j // group in keys]
+
+    def rows(heads, size: int, offset: int = 0) -> list[int]:
+        return [offset + x * size + i for x in heads for i in range(size)]
+
+    qkv = rows(keys, dk) + rows(keys, dk, h.key_dim) + rows(values, dv, 2 * h.key_dim)
+    linear = {"conv1d.weight": (0, qkv), "A_log": (0, values), "dt_bias": (0, values),
+              "norm.weight": (0, list(range(dv))), "out_proj.weight": (1, rows(values, dv))}
+    if h.split_projections:
+        linear.update({"in_proj_qkv.weight": (0, qkv), "in_proj_z.weight": (0, rows(values, dv)),
+                       "in_proj_b.weight": (0, values), "in_proj_a.weight": (0, values)})
+    else:
+        linear.update({"in_proj_qkvz.weight": (0, rows(keys, 2 * dk + 2 * group * dv)),
+                       "in_proj_ba.weight": (0, rows(keys, 2 * group))})
+    heads = range(rank * cfg.num_attention_heads // tp, (rank + 1) * cfg.num_attention_heads // tp)
+    kv_heads = range(rank * cfg.num_key_value_heads // tp,
+                     (rank + 1) * cfg.num_key_value_heads // tp)
+    full = {"q_proj.weight": (0, rows(heads, 2 * d)), "k_proj.weight": (0, rows(kv_heads, d)),
+            "v_proj.weight": (0, rows(kv_heads, d)), "o_proj.weight": (1, rows(heads, d)),
+            "q_norm.weight": (0, list(range(d))), "k_norm.weight": (0, list(range(d)))}
+    return {**{f"linear_attn.{k}": v for k, v in linear.items()},
+            **{f"self_attn.{k}": v for k, v in full.items()}}
+
+
+def _dense(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """A tensor as fp32, an FP8 projection's weight dequantized through the scale rows it holds."""
+    from graphcp.kernels.fp8_torch import dense_weight
+    owner, attr = module.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+    if attr == "weight" and getattr(owner, "fp8", None) is not None:
+        return dense_weight(owner.fp8, torch.float32)
+    return getattr(owner, attr).float()
+
+
+@pytest.mark.parametrize("arch, fp8", [("qwen3_5", True), ("qwen3_next", False)])
+def test_attention_tp_ranks_hold_whole_head_groups(hybrid_dir, arch, fp8):
+    """At attention TP 2 each rank loads exactly its key heads' rows of every mixer tensor (HF's
+    layouts, computed here head by head): Qwen3.5's q|k|v projection and every conv are three
+    ranges, FP8 ones (24-row blocks, so ranges start inside blocks and share them) keep their
+    scales; the Qwen3-Next projections are one range per rank. The states pool per rank's heads."""
+    from graphcp.attention.kinds import state_parts
+    src = make_hybrid_checkpoint(str(hybrid_dir / f"{arch}_tp"), arch, seed=4)
+    path, whole = src, src
+    if fp8:
+        path, whole = make_fp8_checkpoint(src, str(hybrid_dir / f"{arch}_tp_fp8"),
+                                          str(hybrid_dir / f"{arch}_tp_twin"), (24, 16))
+    full = load_model(whole, torch.float32, torch.device("cpu"))
+    cfg, checked = full.config, 0
+    for rank in range(2):
+        model = load_model(path, torch.float32, torch.device("cpu"), tp=TPInfo(size=2, rank=rank))
+        if fp8:
+            assert model.model.layers["0"].linear_attn.in_proj_qkv.weight.dtype == FP8
+        for layer in (0, 1):                         # layer 0 Gated DeltaNet, layer 1 full
+            prefix = f"model.layers.{layer}."
+            mine = {n.removeprefix(prefix) for n in model.state_dict()
+                    if n.startswith(prefix) and ".mlp." not in n and "layernorm" not in n
+                    and not n.endswith("_scale_inv")}
+            expected = {n: v for n, v in _rank_rows(cfg, rank, 2).items()
+                        if n.startswith(("linear_attn." if layer == 0 else "self_attn."))}
+            assert mine == set(expected)
+            for name, (dim, index) in expected.items():
+                want = _dense(full, prefix + name).index_select(dim, torch.tensor(index))
+                got = _dense(model, prefix + name)
+                assert got.shape == want.shape and torch.equal(got, want), (rank, name)
+                checked += 1
+        parts = state_parts(cfg, range(cfg.num_hidden_layers), 2)[0]
+        h = cfg.family_config
+        assert [p.shape for p in parts] == [(h.conv_kernel - 1, h.conv_dim // 2),
+                                            (h.num_v_heads // 2, h.head_k_dim, h.head_v_dim)]
+    assert checked == 2 * len(_rank_rows(cfg, 0, 2))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from graphcp.distributed.comm import all_gather_into, all_reduce
-from graphcp.distributed.shards import TPInfo, shard_range
+from graphcp.distributed.shards import TPInfo, section_pieces, shard_range
 from graphcp.kernels.fp8_torch import linear
 from graphcp.kernels.fp8_types import Fp8Weight
 
@@ -39,6 +39,16 @@ class ColumnLinear(Linear):
         start, end = shard_range(out_features, tp.size, tp.rank, unit)
         super().__init__(in_features, end - start, bias=bias)
         self.shard = (0, start, end)
+
+
+class SectionColumnLinear(Linear):
+    """Output features made of sections side by side (q|k|v of one projection), each split across
+    the group: a rank holds its part of every section, in section order (``section_pieces``)."""
+
+    def __init__(self, in_features: int, sections: tuple[tuple[int, int], ...], tp: TPInfo) -> None:
+        pieces = section_pieces(sections, tp.size, tp.rank)
+        super().__init__(in_features, pieces.rows, bias=False)
+        self.shard = pieces
 
 
 class RowLinear(Linear):

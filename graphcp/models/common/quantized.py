@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphcp.distributed.shards import Pieces
 from graphcp.kernels import fp8_torch
 from graphcp.kernels.fp8_types import FP8, Fp8Weight
 from graphcp.kernels.registry import KernelChoices
@@ -22,21 +23,39 @@ def scale_name(weight_name: str) -> str:
 
 
 def scale_shard(
-    shard: tuple[int, int, int] | None, block: tuple[int, int]
-) -> tuple[int, int, int] | None:
-    """The block rows (dim 0) or block columns (dim 1) of the scale grid that cover a weight shard.
-    """
+    shard: tuple[int, int, int] | Pieces | None, block: tuple[int, int]
+) -> tuple[int, int, int] | Pieces | None:
+    """The block rows (dim 0) or block columns (dim 1) of the scale grid that cover a weight shard;
+    for row ``Pieces``, those of each range (a block two ranges share is read for each)."""
     if shard is None:
         return None
+    if isinstance(shard, Pieces):
+        return Pieces(0, tuple((start // block[0], -(-end // block[0]))
+                               for start, end in shard.ranges))
     dim, start, end = shard
     return dim, start // block[dim], -(-end // block[dim])
 
 
-def origin(shard: tuple[int, int, int] | None) -> tuple[int, int]:
+def origin(shard: tuple[int, int, int] | Pieces | None) -> tuple[int, int]:
     """(first row, first column) of a shard in the whole weight."""
     if shard is None:
         return 0, 0
+    if isinstance(shard, Pieces):
+        return shard.ranges[0][0], 0
     return (shard[1], 0) if shard[0] == 0 else (0, shard[1])
+
+
+def row_blocks(shard: tuple[int, int, int] | Pieces | None, count: int,
+                     block: int) -> torch.Tensor:
+    """For each of the ``count`` rows of a weight slice: its row among the scale rows
+    ``scale_shard`` reads."""
+    if not isinstance(shard, Pieces):
+        return block_index(origin(shard)[0], count, block)
+    parts, base = [], 0
+    for start, end in shard.ranges:
+        parts.append(block_index(start, end - start, block) + base)
+        base += -(-end // block) - start // block
+    return torch.cat(parts)
 
 
 def block_index(first: int, count: int, block: int) -> torch.Tensor:
@@ -74,9 +93,11 @@ def hold_fp8(model: nn.Module, quantized: set[str], block: tuple[int, int]) -> d
     return shards
 
 
-def block_grid(shard: tuple[int, int, int] | None, shape: tuple[int, ...],
+def block_grid(shard: tuple[int, int, int] | Pieces | None, shape: tuple[int, ...],
                block: tuple[int, int]) -> tuple[int, int]:
     """The scale blocks (rows, columns) covering a weight slice of ``shape`` at ``shard``."""
+    if isinstance(shard, Pieces):
+        return scale_shard(shard, block).rows, -(-shape[1] // block[1])
     row0, col0 = origin(shard)
     return (-(-(row0 + shape[0]) // block[0]) - row0 // block[0],
             -(-(col0 + shape[1]) // block[1]) - col0 // block[1])
@@ -94,8 +115,9 @@ def attach(model: nn.Module, block: tuple[int, int]) -> None:
             module.attach_fp8()
         if getattr(module, "weight_scale_inv", None) is None:
             continue
-        row0, col0 = origin(getattr(module, "shard", None))
-        rows = block_rows(row0, module.weight.shape[0], block[0])
+        shard = getattr(module, "shard", None)
+        rows = row_blocks(shard, module.weight.shape[0], block[0]).to(torch.int32)
+        col0 = origin(shard)[1]
         module.fp8 = Fp8Weight(
             module.weight.data,
             module.weight_scale_inv,

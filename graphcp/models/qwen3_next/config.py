@@ -5,7 +5,7 @@ them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from graphcp.errors import ConfigError
 from graphcp.models.config import Fields, ModelConfig, base_fields, moe_fields, rope_fields
@@ -45,6 +45,12 @@ class HybridConfig:
         if not isinstance(cfg.family_config, HybridConfig):
             raise TypeError(f"{cfg.architecture} has no linear-attention layers")
         return cfg.family_config
+
+    def per_rank(self, attn_tp: int) -> "HybridConfig":
+        """The linear heads one of ``attn_tp`` ranks holds: whole key heads, each with its value
+        heads (``check_flags`` makes them divide)."""
+        return replace(self, num_k_heads=self.num_k_heads // attn_tp,
+                       num_v_heads=self.num_v_heads // attn_tp)
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -157,17 +163,19 @@ def hybrid_rope(raw: dict) -> dict:
 def check_flags(args, cfg: ModelConfig) -> None:
     """What the hybrid models run with: zigzag CP (the state hand-off cuts each request into 2C
     blocks; interleave would cut every linear-attention sequence token by token) without adaptive
-    placement (untested), no attention TP (DeltaNet heads are not split), no PD transfer (it would
-    have to carry the linear states)."""
+    placement (untested), attention TP over whole linear key heads (each with its value heads),
+    no PD transfer (it would have to carry the linear states)."""
     if args.cp_size > 1 and args.resolved_cp_strategy != "zigzag":
         raise ConfigError(f"--cp-strategy {args.resolved_cp_strategy}: hybrid linear-attention "
                           "models need --cp-strategy zigzag")
     if args.enable_adaptive_cp:
         raise ConfigError("--enable-adaptive-cp: hybrid linear-attention models are not served "
                           "with adaptive placement yet (drop the flag: every request is split zigzag)")
-    if args.attn_tp_size > 1:
-        raise ConfigError(f"--tp {args.tp_size}: hybrid linear-attention models need attention "
-                          "TP 1 (--tp equal to --dp x --attn-cp-size)")
+    atp, k_heads = args.attn_tp_size, HybridConfig.of(cfg).num_k_heads
+    if k_heads % atp:
+        raise ConfigError(f"--tp {args.tp_size}: attention TP size {atp} (tp / (dp x "
+                          f"attn-cp-size)) must divide linear_num_key_heads={k_heads} (each rank "
+                          "holds whole Gated DeltaNet key heads with their value heads)")
     if args.disaggregation_mode != "null":
         raise ConfigError(f"--disaggregation-mode {args.disaggregation_mode}: hybrid "
                           "linear-attention models do not transfer their linear states yet "

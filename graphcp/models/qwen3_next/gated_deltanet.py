@@ -8,7 +8,9 @@ RMSNorm and out_proj.
 
 Qwen3-Next packs in_proj_qkvz and in_proj_ba per key head ([q, k, v-group, z-group] for each key
 head); Qwen3.5 keeps four projections with q, k and v side by side. The conv channels are q|k|v
-either way.
+either way. Under attention TP a rank holds whole key heads with their value heads: a slice of
+each section (q|k|v split three ways for Qwen3.5's in_proj_qkv and for the conv, one range of the
+packed projections), out_proj row-split and all-reduced.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from graphcp.distributed.shards import TPInfo, section_pieces, shard_range
 from graphcp.forward_context import current_attention
 from graphcp.kernels.delta_rule_torch import l2norm
-from graphcp.models.common.linear import Linear
+from graphcp.models.common.linear import ColumnLinear, RowLinear, SectionColumnLinear
 from graphcp.models.config import ModelConfig
 from graphcp.models.qwen3_next.config import HybridConfig
 
@@ -39,26 +42,38 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """One attention-TP rank's heads (``tp``): whole key heads, each with the value heads it serves
+    (value head j reads key head j // group, as HF's repeat_interleave), so the rank's q, k, v, z,
+    b, a, conv channels, A_log and dt_bias are one slice per section and out_proj is row-split."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo) -> None:
         super().__init__()
-        h = HybridConfig.of(cfg)
+        full = HybridConfig.of(cfg)
+        h = full.per_rank(tp.size)
         self.layer_id, self.cfg = layer_id, h
-        hidden, heads = cfg.hidden_size, h.num_v_heads
+        hidden, dk, dv = cfg.hidden_size, h.head_k_dim, h.head_v_dim
+        group = h.num_v_heads // h.num_k_heads
+        # The conv channels q|k|v, each split by key head (v by its key head's value heads).
+        channels = ((full.key_dim, dk), (full.key_dim, dk), (full.value_dim, group * dv))
         if h.split_projections:
-            self.in_proj_qkv = Linear(hidden, h.conv_dim, bias=False)
-            self.in_proj_z = Linear(hidden, h.value_dim, bias=False)
-            self.in_proj_b = Linear(hidden, heads, bias=False)
-            self.in_proj_a = Linear(hidden, heads, bias=False)
-        else:
-            self.in_proj_qkvz = Linear(hidden, 2 * h.key_dim + 2 * h.value_dim, bias=False)
-            self.in_proj_ba = Linear(hidden, 2 * heads, bias=False)
+            self.in_proj_qkv = SectionColumnLinear(hidden, channels, tp)
+            self.in_proj_z = ColumnLinear(hidden, full.value_dim, False, tp, unit=group * dv)
+            self.in_proj_b = ColumnLinear(hidden, full.num_v_heads, False, tp, unit=group)
+            self.in_proj_a = ColumnLinear(hidden, full.num_v_heads, False, tp, unit=group)
+        else:       # packed per key head: [q, k, v-group, z-group], then [b-group, a-group]
+            self.in_proj_qkvz = ColumnLinear(hidden, 2 * full.key_dim + 2 * full.value_dim, False,
+                                             tp, unit=2 * dk + 2 * group * dv)
+            self.in_proj_ba = ColumnLinear(hidden, 2 * full.num_v_heads, False, tp, unit=2 * group)
         # Only its weight [conv_dim, 1, kernel] is used: the op runs the conv with each window.
         self.conv1d = nn.Conv1d(h.conv_dim, h.conv_dim, h.conv_kernel, groups=h.conv_dim,
                                 bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
-        self.norm = GatedRMSNorm(h.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = Linear(h.value_dim, hidden, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(h.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(h.num_v_heads), requires_grad=False)
+        heads = (0, *shard_range(full.num_v_heads, tp.size, tp.rank, group))
+        self.tensor_shards = {"conv1d.weight": section_pieces(channels, tp.size, tp.rank),
+                              "dt_bias": heads, "A_log": heads}
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)     # one weight for every head
+        self.out_proj = RowLinear(full.value_dim, hidden, tp, unit=group * dv)
 
     @property
     def conv_weight(self) -> torch.Tensor:

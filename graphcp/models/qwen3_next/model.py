@@ -6,7 +6,8 @@ norms, rotary on the first ``rotary_dim`` of each head), as ``layer_types`` says
 MoE with a shared expert behind a sigmoid gate. Norms are zero-centred: x_norm * (1 + weight).
 
 The decoder loop, the LM head and pipeline stages are the shared decoder's
-(``models/decoder.py``); attention TP is refused.
+(``models/decoder.py``). Attention TP splits the heads of both mixers: the full-attention q/gate,
+k, v by head, the Gated DeltaNet layers by key head (``gated_deltanet.py``).
 """
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ import torch
 from torch import nn
 
 from graphcp.distributed.shards import EPInfo, TPInfo
-from graphcp.errors import ConfigError
 from graphcp.forward_context import current_attention, current_moe_communicator
 from graphcp.models.common.decoder import DecoderLM
 from graphcp.models.common.layers import RotaryEmbedding
-from graphcp.models.common.linear import Linear
+from graphcp.models.common.linear import ColumnLinear, Linear, RowLinear
 from graphcp.models.common.mlp import GatedMLP
 from graphcp.models.common.moe import Experts, SoftmaxTopKRouter
 from graphcp.models.config import ModelConfig
@@ -48,16 +48,19 @@ class OffsetRMSNorm(nn.Module):
 class GatedAttention(nn.Module):
     """Full attention with an output gate: attention(q, k, v) * sigmoid(gate) -> o_proj."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 tp: TPInfo) -> None:
         super().__init__()
         d, bias = cfg.head_dim, cfg.qkv_bias
         self.layer_id, self.head_dim = layer_id, d
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.rotary_dim = HybridConfig.of(cfg).rotary_dim
-        self.q_proj = Linear(cfg.hidden_size, 2 * cfg.q_size, bias=bias)   # per head: q, gate
-        self.k_proj = Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.kv_size, bias=bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # per head: q then its gate, so whole heads are 2 * head_dim rows
+        self.q_proj = ColumnLinear(cfg.hidden_size, 2 * cfg.q_size, bias, tp, unit=2 * d)
+        self.k_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, bias, tp, unit=d)
+        self.v_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, bias, tp, unit=d)
+        self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, tp, unit=d, bias=cfg.o_bias)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.rotary = [rotary]      # shared, not a submodule
@@ -101,14 +104,14 @@ class HybridDecoderLayer(nn.Module):
     """The shared decoder's layer contract (``forward(positions, delta, residual)``, ``fuse``) with
     zero-centred norms and the mixer under its HF name: ``linear_attn`` or ``self_attn``."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ffn_tp: TPInfo,
-                 ep: EPInfo) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo,
+                 ffn_tp: TPInfo, ep: EPInfo) -> None:
         super().__init__()
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if HybridConfig.of(cfg).layer_types[layer_id] == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, layer_id)
+            self.linear_attn = GatedDeltaNet(cfg, layer_id, tp)
         else:
-            self.self_attn = GatedAttention(cfg, layer_id, rotary)
+            self.self_attn = GatedAttention(cfg, layer_id, rotary, tp)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = layer_id in cfg.moe_layers
         self.mlp = SharedExpertMoE(cfg, ep, ffn_tp) if moe else GatedMLP(cfg, ffn_tp)
@@ -133,9 +136,6 @@ class Qwen3NextForCausalLM(DecoderLM):
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None, layers: range | None = None,
                  ffn_tp: TPInfo | None = None, ep: EPInfo | None = None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ConfigError(f"--tp {tp.size}: {cfg.architecture} splits no attention heads over "
-                              "TP yet (use --tp 1; CP and EP split the work)")
         super().__init__(cfg, tp, layers, ffn_tp, ep)
         if self.is_last:
             self.model.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -145,4 +145,4 @@ class Qwen3NextForCausalLM(DecoderLM):
 
     def make_layer(self, cfg: ModelConfig, layer: int, tp: TPInfo, ffn_tp: TPInfo,
                    ep: EPInfo) -> HybridDecoderLayer:
-        return HybridDecoderLayer(cfg, layer, self.rotary, ffn_tp, ep)
+        return HybridDecoderLayer(cfg, layer, self.rotary, tp, ffn_tp, ep)
