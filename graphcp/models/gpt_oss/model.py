@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphcp.distributed.shards import EPInfo, TPInfo
+from graphcp.distributed.shards import EPInfo, TPInfo, shard_range
 from graphcp.forward_context import current_attention
 from graphcp.models.common.decoder import DecoderLayer, DecoderLM
 from graphcp.models.common.layers import RotaryEmbedding
@@ -37,17 +37,16 @@ class SinkAttention(nn.Module):
         self.k_proj = ColumnLinear(hidden, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
         self.v_proj = ColumnLinear(hidden, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
         self.o_proj = RowLinear(cfg.q_size, hidden, tp, unit=d, bias=cfg.o_bias)
-        # every head's sink on every rank (a few floats); the rank's heads read theirs
-        self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads), requires_grad=False)
+        # this rank's heads' sinks (the heads q_proj's shard holds)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.tensor_shards = {"sinks": (0, *shard_range(cfg.num_attention_heads, tp.size,
+                                                         tp.rank))}
         self.rotary = [rotary]  # shared, not a submodule: kept out of the state dict
         self.qkv: tuple | None = None           # (weight, bias, split sizes) after fuse()
-        self.local_sinks: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        """One GEMM for q, k and v (their weights are views of it); this rank's heads' sinks."""
+        """One GEMM for q, k and v (their weights are views of it)."""
         self.qkv = fuse((self.q_proj, self.k_proj, self.v_proj))
-        _, start, end = self.q_proj.shard
-        self.local_sinks = self.sinks[start // self.head_dim:end // self.head_dim]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +56,7 @@ class SinkAttention(nn.Module):
         qk = self.rotary[0].rotate(positions, heads[:, :hq + hk])   # q's and k's heads, one pass
         q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hq + hk:]
         extra = {} if rows is None else {"rows": rows}
-        out = current_attention()(self.layer_id, q, k, v, sinks=self.local_sinks, **extra)
+        out = current_attention()(self.layer_id, q, k, v, sinks=self.sinks, **extra)
         return self.o_proj(out.reshape(out.shape[0], hq * d))
 
 
