@@ -37,7 +37,8 @@ def tiny_config(layers: int = 2, quantized: bool = True, **overrides) -> dict:
     """The release's config.json, every field kept, with tiny sizes (``layers`` of its schedule:
     sliding, full, ...) and a YaRN original context of 64 (tables of 2048 positions)."""
     raw = release_config()
-    raw.update(copy.deepcopy(TINY), num_hidden_layers=layers, layer_types=raw["layer_types"][:layers])
+    raw.update(copy.deepcopy(TINY), num_hidden_layers=layers,
+               layer_types=raw["layer_types"][:layers])
     raw["rope_scaling"]["original_max_position_embeddings"] = 64
     if not quantized:
         del raw["quantization_config"]

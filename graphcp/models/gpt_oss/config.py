@@ -110,7 +110,7 @@ def mxfp4_layers(quant: object, num_layers: int) -> tuple[int, ...]:
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
     if method != "mxfp4":
         raise ConfigError(f"--model-path: quantization_config quant_method {method!r} is not "
-                          "supported for gpt-oss (mxfp4, as released, or an unquantized checkpoint)")
+                          "supported for gpt-oss (mxfp4 as released, or no quantization)")
     skip = quant.get("modules_to_not_convert") or []
     if not isinstance(skip, list) or not all(isinstance(p, str) for p in skip):
         raise ConfigError(f"--model-path: quantization_config modules_to_not_convert {skip!r} "
