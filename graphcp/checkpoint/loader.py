@@ -11,7 +11,7 @@ import logging
 import torch
 from torch import nn
 
-from graphcp.checkpoint import fp8
+from graphcp.checkpoint import fp8, mxfp4
 from graphcp.checkpoint.compressed_tensors import ScaleNamesReader
 from graphcp.checkpoint.config import read_model_config
 from graphcp.checkpoint.files import SafetensorsReader, weight_files
@@ -120,8 +120,11 @@ def _power_of_two_scales(read):
 
 def _finite(source: str, tensor: torch.Tensor) -> torch.Tensor:
     """The tensor, or a ConfigError naming it if it holds NaN or Inf (float8_e4m3fn has no Inf; its
-    NaN is every exponent and mantissa bit set, checked on the bytes: no fp32 copy)."""
-    if tensor.dtype == FP8:
+    NaN is every exponent and mantissa bit set, checked on the bytes: no fp32 copy; an MXFP4
+    scale's NaN is the byte 0xFF)."""
+    if tensor.dtype == torch.uint8:
+        bad = mxfp4.has_nan(source, tensor)
+    elif tensor.dtype == FP8:
         bad = bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any())
     else:
         bad = tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
@@ -170,3 +173,4 @@ def _check_names_and_shapes(cfg: ModelConfig, expected: dict[str, tuple],
             raise ConfigError(f"--model-path: tensor {label(name)} has shape {list(shapes[name])}, "
                               f"the model config implies {list(shape)}")
         fp8.check_dtype(name, reader.dtypes[name], quantized, scale_names)
+        mxfp4.check_dtype(name, reader.dtypes[name])

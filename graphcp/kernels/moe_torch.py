@@ -13,8 +13,9 @@ from graphcp.kernels.fp8_types import Fp8Experts
 
 # (gate [N, I], up [N, I]) -> the expert's intermediate activation [N, I]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# local expert -> (gate_up [2 I, H], down [H, I]) in the activation dtype
-ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# local expert -> (gate_up [2 I, H], down [H, I]) in the activation dtype, optionally followed by
+# their biases (gate_up [2 I], down [H] or None)
+ExpertWeights = Callable[[int], tuple]
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -31,11 +32,13 @@ def experts_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num
     local = ids - first
     out = torch.zeros_like(x)
     for e in range(num_local):
-        gate_up, down = expert_weights(e)
+        gate_up, down, *biases = expert_weights(e)
+        gate_up_bias, down_bias = biases or (None, None)
         inter = down.shape[-1]
         w = (weights * (local == e).to(weights.dtype)).sum(-1, keepdim=True)        # [N, 1]
-        h = nn.functional.linear(x, gate_up)
-        out = out + nn.functional.linear(activation(h[:, :inter], h[:, inter:]), down) * w
+        h = nn.functional.linear(x, gate_up, gate_up_bias)
+        y = nn.functional.linear(activation(h[:, :inter], h[:, inter:]), down, down_bias)
+        out = out + y * w
     return out
 
 

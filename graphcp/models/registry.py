@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from graphcp.errors import ConfigError
-from graphcp.models import deepseek, deepseek_v4, glm4_moe, llama, qwen3_next
+from graphcp.models import deepseek, deepseek_v4, glm4_moe, gpt_oss, llama, qwen3_next
 from graphcp.models.config import Fields, ModelConfig, check_sizes
 from graphcp.models.family import Family
 
@@ -13,6 +13,7 @@ FAMILIES: tuple[Family, ...] = (
     deepseek_v4.FAMILY,
     qwen3_next.FAMILY,
     glm4_moe.FAMILY,
+    gpt_oss.FAMILY,
 )
 _BY_ARCH = {arch: f for f in FAMILIES for arch in f.architectures}
 _ARCH_OF_TYPE = {model_type: arch for f in FAMILIES for arch, model_type in f.architectures.items()}

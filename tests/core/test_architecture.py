@@ -123,7 +123,8 @@ def test_module_line_budget():
 # cache layout: models/, attention/, kv/).
 CORE = ("runner.py", "planner.py", "engine.py", "worker.py", "commands.py", "calibrate.py", "forward_batch.py",
         "forward_context.py", "graph/", "cp/")
-FAMILY_WORDS = re.compile(r"\b(dsa|mla|llama|qwen\w*|deepseek\w*|glm\w*|mistral|indexer)\b", re.IGNORECASE)
+FAMILY_WORDS = re.compile(r"\b(dsa|mla|llama|qwen\w*|deepseek\w*|glm\w*|mistral|indexer|gpt_oss)\b",
+                          re.IGNORECASE)
 PD_WORDS = re.compile(r"disaggregation|layer_split|kv_sender|mooncake", re.IGNORECASE)
 
 
@@ -142,7 +143,8 @@ def _code(path: str) -> str:
 # and two files that describe releases:
 # GGUF's own architecture names and the demo's random checkpoints.
 FAMILY_PLACES = ("models/llama/", "models/deepseek/", "models/deepseek_v4/", "models/qwen3_next/",
-                 "models/glm4_moe/", "models/registry.py", "attention/", "kernels/", "tools/", "pd/",
+                 "models/glm4_moe/", "models/gpt_oss/",
+                 "models/registry.py", "attention/", "kernels/", "tools/", "pd/",
                  "checkpoint/gguf.py", "checkpoint/random.py")
 
 
@@ -156,7 +158,7 @@ def test_a_family_is_named_only_in_its_places():
                                "family's folder, its attention op or its kernels")
         if inner.startswith("models/") and inner.count("/") == 2:       # inside a family's folder
             family = inner.split("/")[1]
-            others = [f.split("/")[1] for f in FAMILY_PLACES[:5] if f.split("/")[1] != family]
+            others = [f.split("/")[1] for f in FAMILY_PLACES[:6] if f.split("/")[1] != family]
             deps = _imports(path, "graphcp." + inner[:-3].replace("/", "."), _modules())
             assert not any(d.startswith("graphcp.models.") and d.split(".")[2] in others
                            for d in deps), \
@@ -171,7 +173,7 @@ def test_shared_layers_import_no_family():
             deps = _imports(path, name, modules)
             families = [d for d in deps if d.startswith("graphcp.models.")
                         and d.split(".")[2] in ("llama", "deepseek", "deepseek_v4", "qwen3_next",
-                                                "glm4_moe")]
+                                                "glm4_moe", "gpt_oss")]
             assert not families, f"{name} imports a family ({families[:2]}): go through the registry"
 
 
