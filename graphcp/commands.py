@@ -110,6 +110,8 @@ def _merge_kv(parts: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     kinds: dict[int, str] = {}
     for part in parts:
         for i, (kv, kind) in enumerate(zip(part["layers"], part["kinds"])):
+            if kind == "gqa" and part["attn_tp_rank"] % part.get("kv_replicas", 1):
+                continue            # a replica of a lower attention-TP rank's KV head
             by_layer.setdefault(part["first_layer"] + i, []).append((part["attn_tp_rank"], kv))
             kinds[part["first_layer"] + i] = kind
     out = []

@@ -298,10 +298,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_model_fits(args: EngineArgs, cfg) -> None:
     """The flags that depend on the model, checked before any allocation."""
-    atp = args.attn_tp_size
-    if cfg.num_key_value_heads % atp:
-        raise ConfigError(f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size)) must divide "
-                          f"num_key_value_heads={cfg.num_key_value_heads}")
+    atp, kv = args.attn_tp_size, cfg.num_key_value_heads
+    what = f"--tp: attention TP size {atp} (tp / (dp x attn-cp-size))"
+    if atp > kv and set(cfg.attention_kinds) <= {"gqa", "gated_deltanet"}:
+        # more ranks than KV heads: each KV head on atp / kv ranks (SGLang's replication)
+        if atp % kv or cfg.num_attention_heads % atp:
+            raise ConfigError(f"{what} must be a multiple of num_key_value_heads={kv} and divide "
+                              f"num_attention_heads={cfg.num_attention_heads}")
+        if args.disaggregation_mode == "prefill":
+            raise ConfigError(f"{what} replicates the model's {kv} KV heads, which graphcp's PD "
+                              f"transfer does not send; use an attention TP size <= {kv}")
+    elif kv % atp:
+        raise ConfigError(f"{what} must divide num_key_value_heads={kv}")
     if args.pp_size > cfg.num_hidden_layers:
         raise ConfigError(f"--pp {args.pp_size} exceeds the model's {cfg.num_hidden_layers} layers")
     bad = [i for i in args.speculative_aux_hidden_layers or () if i >= cfg.num_hidden_layers]

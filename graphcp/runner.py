@@ -298,7 +298,8 @@ class ModelRunner:
         me = self.par.me
         return {"first_layer": held.start, "attn_tp_rank": me.attn_tp_rank, "cp_rank": me.cp_rank,
                 "layers": layers, "some_layers": held != self.par.layers,
-                "kinds": [self.attention.kinds[layer].name for layer in held]}
+                "kinds": [self.attention.kinds[layer].name for layer in held],
+                "kv_replicas": self.model_config.kv_replicas(self.args.attn_tp_size)}
 
     def _kept(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The slots a layer's cache keeps for later tokens: a sliding layer's last W - 1 (as

@@ -95,7 +95,7 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
     kernel = windowed = KERNELS["torch"]
     reason = None
     if "attention" in needed:
-        heads = (cfg.num_attention_heads // atp, cfg.num_key_value_heads // atp)
+        heads = (cfg.num_attention_heads // atp, cfg.kv_heads_per_rank(atp))
         choose = functools.partial(resolve_kernel, device=device, dtype=dtype,
                                    head_dim=cfg.head_dim, bottom_right=bottom_right, heads=heads,
                                    page_size=args.page_size)

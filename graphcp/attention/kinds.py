@@ -45,7 +45,7 @@ class LayerKind:
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
-    row = (cfg.num_key_value_heads // attn_tp, cfg.head_dim)
+    row = (cfg.kv_heads_per_rank(attn_tp), cfg.head_dim)
     return CachePart("k", row), CachePart("v", row)
 
 

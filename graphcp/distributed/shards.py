@@ -21,6 +21,15 @@ def shard_range(total: int, size: int, rank: int, unit: int = 1) -> tuple[int, i
     return start * unit, min(units, start + per) * unit
 
 
+def kv_head_range(kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank's [start, end) of ``kv_heads`` heads: a contiguous share, or where the group is larger
+    than the heads, the one head of the query heads it holds (rank // (size / kv_heads))."""
+    if size <= kv_heads:
+        return shard_range(kv_heads, size, rank)
+    head = rank // (size // kv_heads)
+    return head, head + 1
+
+
 class Pieces(NamedTuple):
     """A shard made of several row ranges of one tensor, stacked in order: a rank's part of each
     section of a projection whose output is sections side by side (q|k|v), or of a weight over

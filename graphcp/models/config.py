@@ -63,6 +63,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def kv_heads_per_rank(self, attn_tp: int) -> int:
+        """KV heads each attention-TP rank holds: its share, or one replicated head where attention
+        TP exceeds the KV heads (each head then on attn_tp / num_key_value_heads ranks, as SGLang)."""
+        return max(1, self.num_key_value_heads // attn_tp)
+
+    def kv_replicas(self, attn_tp: int) -> int:
+        """Attention-TP ranks holding each KV head (1: no replication)."""
+        return max(1, attn_tp // self.num_key_value_heads)
+
     @property
     def max_positions(self) -> int:
         """The longest context the RoPE tables cover (YaRN's extended one where it is longer)."""

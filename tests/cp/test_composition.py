@@ -51,9 +51,30 @@ def test_composition_matches_hf(checkpoint, engines, oracle, name):
     assert engine.stats()["kv_tokens_free"] == engine.stats()["kv_tokens_total"]
 
 
+def test_attention_tp_beyond_kv_heads_replicates_them(checkpoint, engines, oracle):
+    """--tp 4 over 2 KV heads: each KV head on two ranks (as SGLang), in graphs and chunked; the
+    engine's kv_cache holds each head once; every rank caches one head."""
+    engine = engines.get(checkpoint, tp_size=4, cuda_graph_buckets=[64])
+    one = engines.get(checkpoint, disable_cuda_graph=True)
+    s = Session(engine, oracle, checkpoint)
+    out = s.run([("a", random_ids(37, VOCAB, 1)), ("b", random_ids(9, VOCAB, 2))])
+    assert out.mode == "graph", out.eager_reason
+    s.run([("a", random_ids(20, VOCAB, 3)), ("c", random_ids(14, VOCAB, 4))])       # chunked + new
+    assert s.worst <= 1e-4
+    assert [k.shape[0] for k, _ in engine.kv_cache("a")] == [2] * len(engine.kv_cache("a"))
+    # per rank: a quarter of the q heads and o_proj, half of k/v (one of two heads)
+    stats, whole = engine.stats(), one.stats()["weight_bytes"]
+    assert max(stats["weight_bytes_per_rank"]) < 0.5 * whole
+    per_token = [st["kv_bytes_per_rank"][0] / st["kv_tokens_total"] for st in (stats, one.stats())]
+    assert per_token[0] * 2 == per_token[1], per_token
+    s.release_all()
+    with pytest.raises(ConfigError, match="PD transfer"):
+        Engine(EngineArgs(model_path=checkpoint, tp_size=4, disaggregation_mode="prefill"))
+
+
 @pytest.mark.parametrize("kwargs,flag", [
     (dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag", ffn_tp_size=3), "--ffn-tp-size"),
-    (dict(tp_size=4), "--tp"),                                                     # attention TP 4 > 2 KV heads
+    (dict(tp_size=3), "--tp"),                                   # 3 ranks over 2 KV heads, 4 q heads
     (dict(tp_size=2, pp_size=3, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="zigzag"), "--pp"),
 ])
 def test_invalid_compositions(checkpoint, kwargs, flag, monkeypatch):

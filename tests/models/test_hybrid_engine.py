@@ -213,3 +213,15 @@ def test_pipeline_stages_and_expert_parallel_equal_hf(hybrid, engines):
     for rid in LENGTHS:
         engine.release(rid)
     print(f"qwen3_next PP 2 x CP 2, EP 2: worst rel err {worst:.1e}")
+
+
+def test_attention_tp_beyond_kv_heads_replicates_them(hybrid, engines, tmp_path_factory):
+    """Qwen3.5 at --tp 4 over 2 KV heads (and 4 linear key heads): each full-attention KV head on
+    two ranks, each rank its own linear heads; in graphs and chunked, equal to HF; kv_cache holds
+    each KV head once and every linear head."""
+    _, reference = hybrid
+    path = make_hybrid_checkpoint(str(tmp_path_factory.mktemp("hybrid_rep") / "qwen3_5"),
+                                  "qwen3_5", seed=3, linear_num_key_heads=4)
+    engine = engines.get(path, **dict(SMALL, tp_size=4, cuda_graph_buckets=[256]))
+    worst, modes = _serve(engine, path, reference, False, 4)
+    assert [mode for mode, _ in modes[:2]] == ["graph"] * 2 and worst <= TOL

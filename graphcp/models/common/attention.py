@@ -2,14 +2,14 @@
 GLM-4.5, gpt-oss): one fused q/k/v GEMM, optional per-head q/k RMSNorm, RoPE over the whole head or
 its first ``rotary_dim`` dims (GLM's partial rotary, the rest passed through), optional learned sink
 logits per head (gpt-oss), then the forward context's attention op and o_proj. Heads (and their
-sinks) split over the attention TP group. HF's tensor names: q_proj, k_proj, v_proj, o_proj,
-q_norm, k_norm, sinks."""
+sinks) split over the attention TP group; KV heads are replicated where the group is larger. HF's
+tensor names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from graphcp.distributed.shards import TPInfo, shard_range
+from graphcp.distributed.shards import TPInfo, kv_head_range, shard_range
 from graphcp.forward_context import current_attention
 from graphcp.models.common.layers import RMSNorm, RotaryEmbedding
 from graphcp.models.common.linear import ColumnLinear, RowLinear, fused_linear
@@ -28,10 +28,12 @@ class GQAAttention(nn.Module):
         self.layer_id, self.head_dim = layer_id, d
         self.rotary_dim = rotary_dim or d
         self.num_heads = cfg.num_attention_heads // tp.size
-        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.num_kv_heads = cfg.kv_heads_per_rank(tp.size)
+        first, last = kv_head_range(cfg.num_key_value_heads, tp.size, tp.rank)
+        kv_rows = (first * d, last * d)         # a replicated head where TP exceeds the KV heads
         self.q_proj = ColumnLinear(hidden, cfg.q_size, cfg.qkv_bias, tp, unit=d)
-        self.k_proj = ColumnLinear(hidden, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
-        self.v_proj = ColumnLinear(hidden, cfg.kv_size, cfg.qkv_bias, tp, unit=d)
+        self.k_proj = ColumnLinear(hidden, cfg.kv_size, cfg.qkv_bias, tp, rows=kv_rows)
+        self.v_proj = ColumnLinear(hidden, cfg.kv_size, cfg.qkv_bias, tp, rows=kv_rows)
         self.o_proj = RowLinear(cfg.q_size, hidden, tp, unit=d, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)

@@ -35,8 +35,11 @@ def fused_linear(x: torch.Tensor, fused: tuple | None) -> torch.Tensor:
 class ColumnLinear(Linear):
     """Output features split across the group; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, unit: int = 1) -> None:
-        start, end = shard_range(out_features, tp.size, tp.rank, unit)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, unit: int = 1,
+                 rows: tuple[int, int] | None = None) -> None:
+        """``rows``: this rank's [start, end) of the output features where it is not its share
+        (replicated KV heads)."""
+        start, end = rows or shard_range(out_features, tp.size, tp.rank, unit)
         super().__init__(in_features, end - start, bias=bias)
         self.shard = (0, start, end)
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from graphcp.distributed.shards import EPInfo, TPInfo
+from graphcp.distributed.shards import EPInfo, TPInfo, kv_head_range
 from graphcp.forward_context import current_attention, current_moe_communicator
 from graphcp.models.common.decoder import DecoderLM
 from graphcp.models.common.layers import RotaryEmbedding
@@ -54,12 +54,14 @@ class GatedAttention(nn.Module):
         d, bias = cfg.head_dim, cfg.qkv_bias
         self.layer_id, self.head_dim = layer_id, d
         self.num_heads = cfg.num_attention_heads // tp.size
-        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.num_kv_heads = cfg.kv_heads_per_rank(tp.size)
         self.rotary_dim = HybridConfig.of(cfg).rotary_dim
+        first, last = kv_head_range(cfg.num_key_value_heads, tp.size, tp.rank)
+        kv_rows = (first * d, last * d)         # a replicated head where TP exceeds the KV heads
         # per head: q then its gate, so whole heads are 2 * head_dim rows
         self.q_proj = ColumnLinear(cfg.hidden_size, 2 * cfg.q_size, bias, tp, unit=2 * d)
-        self.k_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, bias, tp, unit=d)
-        self.v_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, bias, tp, unit=d)
+        self.k_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, bias, tp, rows=kv_rows)
+        self.v_proj = ColumnLinear(cfg.hidden_size, cfg.kv_size, bias, tp, rows=kv_rows)
         self.o_proj = RowLinear(cfg.q_size, cfg.hidden_size, tp, unit=d, bias=cfg.o_bias)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
