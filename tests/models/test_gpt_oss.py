@@ -2,7 +2,7 @@
 the releases are (testkit/gpt_oss_checkpoint.py: the released config, bf16 tensors, MXFP4 experts
 in ``*_blocks`` / ``*_scales``, a sharded index), with prompts well past the sliding window: logits
 and every layer's cached K/V, chunked prefill, one rank and zigzag CP 2 in graphs, EP 2, attention
-TP 2 with expert TP 2, interleave CP 2, MXFP4 and unquantized experts. The MXFP4 experts stay 4-bit
+TP 2 with expert TP 2, interleave CP 2, PP 2 (eager), MXFP4 and unquantized experts. The MXFP4 experts stay 4-bit
 in memory; broken MXFP4 files are refused by name."""
 from __future__ import annotations
 
@@ -163,6 +163,13 @@ def test_interleave_cp2_ep2_all_to_all_unquantized_matches_hf(engines, hf, plain
     engine = engines.get(plain, tp_size=2, ep_size=2, attn_cp_size=2, enable_prefill_cp=True,
                          cp_strategy="interleave", moe_a2a_backend="all_to_all")
     _parity(engine, hf, plain, "CP 2 interleave x EP 2 all-to-all, unquantized", graphs=False)
+
+
+def test_pipeline_stages_match_hf(engines, hf, mxfp4):
+    """Two pipeline stages of one layer each (a sliding layer, then a full one), MXFP4; PP runs
+    eagerly, as in SGLang."""
+    engine = engines.get(mxfp4, pp_size=2, disable_cuda_graph=True)
+    _parity(engine, hf, mxfp4, "PP 2, MXFP4", graphs=False)
 
 
 def test_hf_oracle_sees_the_window_and_the_sinks(mxfp4, hf):
