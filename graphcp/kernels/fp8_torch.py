@@ -1,7 +1,8 @@
 """FP8 projections at call time, and the one dispatch every FP8 weight goes through.
 
 Weights stay FP8 in memory on every device. On CUDA the block-scaled Triton GEMM runs them once its
-start-up check accepted it (``probe_gemm``); everywhere else a projection dequantizes its weight
+start-up check accepted it (``probe_gemm``), per-channel weights the row-wise scaled GEMM
+(``fp8_rowwise.py``); everywhere else a projection dequantizes its weight
 for the one call (``dequantize_weight``: fp8 x its block scale, in fp32, then the activation
 dtype), so a CPU forward is the same arithmetic as HF on the exactly dequantized checkpoint.
 ``fp8_linear_torch`` is the Triton GEMM's own arithmetic in torch (activations quantized per token
@@ -14,6 +15,7 @@ import importlib.util
 import torch
 from torch import nn
 
+from graphcp.kernels.fp8_rowwise import is_rowwise, rowwise_linear_torch, rowwise_unusable
 from graphcp.kernels.fp8_types import FP8, FP8_MAX, Fp8Experts, Fp8Weight
 from graphcp.kernels.registry import KernelChoices, chosen
 
@@ -40,11 +42,13 @@ def dense_weight(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; for an ``Fp8Weight`` the Triton GEMM where it was accepted at start (CUDA),
-    else the weight dequantized for this call."""
+    """``F.linear``; for an ``Fp8Weight`` the Triton GEMM (block scales) or the row-wise scaled
+    GEMM (per-channel scales) where it was accepted at start (CUDA), else the weight dequantized
+    for this call."""
     if not isinstance(weight, Fp8Weight):
         return nn.functional.linear(x, weight, bias)
-    fn = chosen("fp8_gemm") if x.is_cuda else None
+    op = "fp8_rowwise" if is_rowwise(weight) else "fp8_gemm"
+    fn = chosen(op) if x.is_cuda else None
     if fn is not None:
         return fn(x, weight, bias)
     return nn.functional.linear(x, dequantize_weight(weight, x.dtype), bias)
@@ -67,10 +71,16 @@ def probe_gemm(choices: KernelChoices, weight: Fp8Weight | None, dtype: torch.dt
     Where the GEMM cannot run at all, the dequantizing form serves without a check."""
     if weight is None or not weight.weight.is_cuda:
         return
-    if not gemm_available(weight.weight.device, weight.block):
-        return
     x = torch.randn(5, weight.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
         weight.weight.device, dtype)
+    if is_rowwise(weight):
+        why = rowwise_unusable(weight.weight.device, dtype, weight)
+        if why is None:
+            choices.probe("fp8_rowwise", lambda fn: fn(x, weight),
+                          lambda: rowwise_linear_torch(x, weight), dtype)
+        return
+    if not gemm_available(weight.weight.device, weight.block):
+        return
     choices.probe("fp8_gemm", lambda fn: fn(x, weight), lambda: fp8_linear_torch(x, weight), dtype)
 
 

@@ -114,6 +114,9 @@ LAYER_KERNELS = {
     "rms_norm": KernelSpec("rms_norm", "triton", _K + "triton_rmsnorm", "triton_rms_norm", True),
     "rope": KernelSpec("rope", "triton", _K + "triton_rope", "triton_rope", True),
     "fp8_gemm": KernelSpec("fp8_gemm", "triton", _K + "triton_fp8_gemm", "triton_fp8_linear", True),
+    # per-channel FP8 (compressed-tensors): cuBLASLt's row-wise scaled GEMM, not Triton
+    "fp8_rowwise": KernelSpec("fp8_rowwise", "scaled-mm", _K + "fp8_rowwise", "rowwise_linear",
+                              True),
     "moe_experts": KernelSpec("moe_experts", "triton", _K + "triton_moe", "triton_experts", True),
     "moe_experts_fp8": KernelSpec("moe_experts_fp8", "triton", _K + "triton_moe",
                                   "triton_experts_fp8", True),
