@@ -28,6 +28,8 @@ EAGER_ROWS = (16384, 65536)           # eager batches past the largest bucket
 ROWS = LADDER + EAGER_ROWS
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128)
+# head dims of the families' full attention: Phi-style 80/96, MLA's expanded 192, Qwen3-Next's 256
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 KV_HEADS = (1, 2, 4, 8, 16)           # KV heads per rank after tensor parallelism
 PAGE_SIZE, REQUESTS, CONTEXT = 16, 8, 131072      # defaults: --page-size, --max-batch-requests
 I64 = torch.int64
@@ -42,8 +44,8 @@ def attention(mock) -> Iterator[Case]:
     fn = triton_attention._paged_attn_kernel
     hq, hkv, seqs, pages = 32, 8, 2 * REQUESTS, CONTEXT // PAGE_SIZE   # zigzag: 2 blocks a request
     # sinks: gpt-oss's layers (sink logits, a 128-token window); else a full causal layer
-    for dtype, d, rows, wide, sinks in itertools.product(DTYPES, HEAD_DIMS, ROWS, (False, True),
-                                                         (False, True)):
+    for dtype, d, rows, wide, sinks in itertools.product(DTYPES, ATTENTION_HEAD_DIMS, ROWS,
+                                                         (False, True), (False, True)):
         t = triton_attention.attention_tiles(rows, d, dtype)
         x = mock(dtype)
         args = dict(Q=x, KP=x, VP=x, CU=mock(I64), PR=mock(I64), LIM=mock(I64), OUT=x,
@@ -53,6 +55,7 @@ def attention(mock) -> Iterator[Case]:
                     stride_kd=1, stride_vs=hkv * d, stride_vh=d, stride_vd=1, stride_ot=hq * d,
                     stride_oh=d, stride_od=1, stride_pr=pages, stride_pp=1, T=rows, S=seqs, P=pages,
                     qk_scale=0.1, GROUP=hq // hkv, PAGE_SIZE=PAGE_SIZE, HEAD_DIM=d,
+                    BLOCK_D=triton_attention.block_d(d),
                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_S=max(16, seqs),
                     PREC="ieee" if dtype == torch.float32 else None, DOT_F32=False, WIDE=wide)
         # wide: int64 offsets, taken where the pool or the queries span 2**31 elements

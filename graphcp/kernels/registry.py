@@ -24,7 +24,9 @@ from torch.utils._pytree import register_dataclass
 log = logging.getLogger("graphcp")
 Kernel = Callable[..., torch.Tensor]
 ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "torch")     # --attention-kernel
-TRITON_HEAD_DIMS = (64, 128)
+# head dims of the Triton paged kernel: padded to a power of two in its tiles (80, 96 -> 128;
+# 192 -> 256), so every supported family's full attention runs in it on CUDA
+TRITON_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 # Relative max error a compiled kernel may show against its torch form at start, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 

@@ -14,7 +14,11 @@ each head's logit to the row's softmax denominator after the loop (once per row)
 Grid axis 0 is the query head; GQA maps query head h to kv head h // (Hq // Hkv). K and V tiles are
 gathered as [BLOCK_N, D] rows through the page table (the QK dot reads K transposed); offsets are
 int32 unless a tensor spans 2**31 elements (WIDE), which keeps every tiling free of register spills
-for sm_90a (``profiles/kernel_report.py``).
+for sm_90a (``profiles/kernel_report.py``). Head dims that are not a power of two (80, 96, 192)
+run in a tile padded to the next one (``block_d``), masked on the real ones.
+
+The integer lengths (T, S, P, the window, the page table's row stride) are not specialised
+(``do_not_specialize``): a batch of a new alignment never compiles a new kernel mid-serving.
 """
 from __future__ import annotations
 
@@ -24,19 +28,38 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcp.kernels.registry import TRITON_HEAD_DIMS as HEAD_DIMS
 from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 
 
 @triton.jit
-def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, stride_ks,
+def _load_rows(ptr, row_ok, d_ok, ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile, masked on the rows (``ROWS``) and on the padded head dims
+    (``PAD_D``) only where needed: power-of-two head dims load unmasked as before."""
+    if ROWS:
+        if PAD_D:
+            x = tl.load(ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptr, mask=row_ok[:, None], other=0.0)
+    else:
+        if PAD_D:
+            x = tl.load(ptr, mask=d_ok[None, :], other=0.0)
+        else:
+            x = tl.load(ptr)
+    return x
+
+
+@triton.jit
+def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, d_ok, stride_ks,
                stride_kd, stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-               MASKED: tl.constexpr, WINDOW: tl.constexpr, WIDE: tl.constexpr):
+               MASKED: tl.constexpr, WINDOW: tl.constexpr, WIDE: tl.constexpr,
+               PAD_D: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) of the row's pages; masked: each
     row sees keys [0, lim), or [low, lim) under a window."""
     kpos = start + tl.arange(0, BLOCK_N)
+    k_ok = kpos < hi                     # read only when MASKED
     if MASKED:
-        k_ok = kpos < hi
         page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp, mask=k_ok, other=0)
     else:
         page = tl.load(pr_row + (kpos // PAGE_SIZE) * stride_pp)
@@ -45,10 +68,7 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d,
     # K and V as [BLOCK_N, D] rows (each key's D contiguous); the QK dot takes K transposed.
     k_ptr = K_HEAD + slot[:, None] * stride_ks + d[None, :] * stride_kd
     v_ptr = V_HEAD + slot[:, None] * stride_vs + d[None, :] * stride_vd
-    if MASKED:
-        k = tl.load(k_ptr, mask=k_ok[:, None], other=0.0)                 # [BLOCK_N, D]
-    else:
-        k = tl.load(k_ptr)
+    k = _load_rows(k_ptr, k_ok, d_ok, MASKED, PAD_D)                      # [BLOCK_N, BLOCK_D]
     if DOT_F32:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale           # log2 domain
@@ -61,10 +81,7 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d,
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptr, mask=k_ok[:, None], other=0.0)                 # [BLOCK_N, D]
-    else:
-        v = tl.load(v_ptr)
+    v = _load_rows(v_ptr, k_ok, d_ok, MASKED, PAD_D)                      # [BLOCK_N, BLOCK_D]
     p = p.to(v.dtype)                    # P@V in the cache dtype, as flash kernels do
     if DOT_F32:
         p, v = p.to(tl.float32), v.to(tl.float32)
@@ -72,7 +89,7 @@ def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d,
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S", "P", "window", "stride_pr"])
 def _paged_attn_kernel(
     Q, KP, VP, CU, PR, LIM, OUT, SINKS,
     stride_qt, stride_qh, stride_qd,
@@ -81,7 +98,7 @@ def _paged_attn_kernel(
     stride_ot, stride_oh, stride_od,
     stride_pr, stride_pp,
     T, S, P, qk_scale, window,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr, WIDE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
@@ -102,7 +119,9 @@ def _paged_attn_kernel(
     pid = tl.where(pid < total_tiles, total_tiles - 1 - pid, pid)
     seq = tl.sum((cum <= pid).to(tl.int32), 0)             # first s with cum[s] > pid (S: none)
 
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)            # the head dims padded to a power of two
+    d_ok = d < HEAD_DIM
+    PAD_D = BLOCK_D != HEAD_DIM          # masks on the head dims only where padded
     m_off = tl.arange(0, BLOCK_M)
     if seq < S:
         sel = s_idx == seq
@@ -116,13 +135,13 @@ def _paged_attn_kernel(
         lim = tl.where(row_ok, lim, 0)
         hi = tl.minimum(tl.max(lim, 0), P * PAGE_SIZE)
 
-        q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
-                    mask=row_ok[:, None], other=0.0)
+        q = _load_rows(Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                       row_ok, d_ok, True, PAD_D)
         if DOT_F32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         pr_row = PR + seq * stride_pr
         k_head = KP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_kh
         v_head = VP + (kv_head.to(tl.int64) if WIDE else kv_head) * stride_vh
@@ -140,21 +159,21 @@ def _paged_attn_kernel(
             whole = full_end > full_start
             for start in range(first, tl.where(whole, full_start, hi), BLOCK_N):
                 m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
-                                           v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                           v_head, d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
                                            stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
-                                           True, True, WIDE)
+                                           True, True, WIDE, PAD_D)
             full_start = tl.where(whole, full_start, hi)
             full_end = tl.where(whole, full_end, hi)
         for start in range(full_start, full_end, BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
-                                       v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                       v_head, d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
                                        stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
-                                       False, HAS_WINDOW, WIDE)
+                                       False, HAS_WINDOW, WIDE, PAD_D)
         for start in range(full_end, hi, BLOCK_N):
             m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
-                                       v_head, d, stride_ks, stride_kd, stride_vs, stride_vd,
+                                       v_head, d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
                                        stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
-                                       True, HAS_WINDOW, WIDE)
+                                       True, HAS_WINDOW, WIDE, PAD_D)
         if HAS_SINKS:       # the head's sink logit joins every row's denominator (log2 domain)
             sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
             m_new = tl.maximum(m_i, sink)
@@ -164,15 +183,15 @@ def _paged_attn_kernel(
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # Padding tail [cu_seqlens_q[-1], T): zeros. Programs past the last padding tile idle.
         pad_rows = total_q + (pid - total_tiles) * BLOCK_M + m_off
         pad_rows = pad_rows.to(tl.int64) if WIDE else pad_rows
         pad_ok = (pad_rows < T) & (pad_rows >= total_q)
-        zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         tl.store(OUT + pad_rows[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-                 zero.to(OUT.dtype.element_ty), mask=pad_ok[:, None])
+                 zero.to(OUT.dtype.element_ty), mask=pad_ok[:, None] & d_ok[None, :])
 
 
 class AttentionTiles(NamedTuple):
@@ -182,6 +201,12 @@ class AttentionTiles(NamedTuple):
     num_stages: int
 
 
+def block_d(head_dim: int) -> int:
+    """The head dims a tile holds: ``head_dim`` padded to a power of two (80 and 96 -> 128,
+    192 -> 256); the padding is masked on loads and stores and adds zeros to every dot."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> AttentionTiles:
     """The CUDA tiling for ``rows`` local query rows: the batch's real (padded) row count eagerly,
     the bucket in a graph (which serves batches of more than half its rows), never a sequence
@@ -189,14 +214,23 @@ def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> AttentionTi
     Under 2048 rows, 64-row tiles: enough programs to fill the SMs and at most 63 idle rows per
     sequence; from 2048, 128 rows over 8 warps (two warpgroups) halve the K/V traffic per query row.
     fp32 runs its dots (IEEE, no TF32) on the FMA units, whose operand layouts hold a whole row of
-    the reduced dimension per thread: 32 x 16 tiles over 8 warps are the largest that fit. Every
-    choice assembles without register spills for sm_90a (``profiles/kernel_report.py``); the GPU
-    sweep in ``profiles/gpu_check.py`` times them."""
+    the reduced dimension per thread: 32 x 16 tiles over 8 warps are the largest that fit.
+    A 256-wide tile (head_dim 192, 256) holds twice the accumulator per row: bf16/fp16 take
+    ``TILES_256`` (32-key blocks, 8 warps at either row count; 64 rows over 4 warps would spill),
+    fp32's FMA tiles fit as they are. Every choice assembles without register
+    spills for sm_90a (``profiles/kernel_report.py``); the GPU sweep in ``profiles/gpu_check.py``
+    times them."""
     if dtype == torch.float32:
         return AttentionTiles(32, 16, 8, 2)
+    if block_d(head_dim) > 128:
+        return AttentionTiles(*TILES_256[rows >= 2048])
     if rows < 2048:
         return AttentionTiles(64, 64, 4, 3)
     return AttentionTiles(128, 64, 8, 3)
+
+
+# (block_m, block_n, num_warps, num_stages) of 256-wide bf16/fp16 tiles: under 2048 rows, from it
+TILES_256 = ((64, 32, 8, 2), (128, 32, 8, 2))
 
 
 def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -212,7 +246,7 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     16), ``num_warps`` and ``num_stages`` override the tiling."""
     T, Hq, D = q.shape
     Hkv = k_pool.shape[1]
-    assert D in (64, 128), f"triton_paged_attention supports head_dim 64 and 128, got {D}"
+    assert D in HEAD_DIMS, f"triton_paged_attention supports head_dim {HEAD_DIMS}, got {D}"
     assert k_pool.shape[-1] == D and v_pool.shape[-1] == D and k_pool.shape[1] == v_pool.shape[1]
     assert Hq % Hkv == 0, f"query heads {Hq} not a multiple of kv heads {Hkv}"
     assert page_size >= 1 and page_size & (page_size - 1) == 0, \
@@ -244,7 +278,7 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1), out.stride(2),
         page_rows.stride(0), page_rows.stride(1),
         T, S, P, float(scale) * LOG2E, int(window),
-        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s,
+        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s,
         PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out),
         HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, num_warps=warps,
         num_stages=stages,
@@ -252,4 +286,4 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-__all__ = ["triton_paged_attention", "attention_tiles"]
+__all__ = ["triton_paged_attention", "attention_tiles", "block_d"]

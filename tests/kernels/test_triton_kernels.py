@@ -5,6 +5,7 @@ Shapes are kept small (the interpreter runs every program in numpy): Hq 4, seque
 from __future__ import annotations
 
 import os
+import re
 
 os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported anywhere
 
@@ -184,8 +185,8 @@ def test_all_padding_and_shape_checks():
     triton_paged_attention(q, k_pool, v_pool, cu, rows, limits, 4, 0.125, 0, 0, out)
     assert torch.equal(out, torch.zeros_like(out))
     with pytest.raises(AssertionError):
-        bad = torch.randn(6, HQ, 96)
-        triton_paged_attention(bad, torch.randn(8, 2, 96), torch.randn(8, 2, 96), cu,
+        bad = torch.randn(6, HQ, 48)         # not a head dim the kernel serves
+        triton_paged_attention(bad, torch.randn(8, 2, 48), torch.randn(8, 2, 48), cu,
                                torch.ones(2, 2, dtype=torch.int64), torch.zeros(6, dtype=torch.int64), 4, 0.1, 0, 0,
                                torch.empty_like(bad))
 
@@ -245,7 +246,9 @@ def test_explicit_triton_with_an_unsupported_head_dim_is_a_config_error():
     """As the README promises: an explicit --attention-kernel triton that cannot serve the model's
     head_dim is refused naming the flag, never silently replaced by the torch kernel."""
     from graphcp.errors import ConfigError
+    from graphcp.kernels.registry import TRITON_HEAD_DIMS
     from graphcp.kernels.resolve import resolve_kernel
-    with pytest.raises(ConfigError, match=r"--attention-kernel triton supports head_dim \(64, 128\), the model has 96"):
-        resolve_kernel("triton", torch.device("cpu"), torch.float32, 96)
-    assert resolve_kernel("auto", torch.device("cpu"), torch.float32, 96) == "torch"
+    dims = re.escape(str(TRITON_HEAD_DIMS))
+    with pytest.raises(ConfigError, match=rf"--attention-kernel triton supports head_dim {dims}, the model has 48"):
+        resolve_kernel("triton", torch.device("cpu"), torch.float32, 48)
+    assert resolve_kernel("auto", torch.device("cpu"), torch.float32, 48) == "torch"
