@@ -119,6 +119,9 @@ LAYER_KERNELS = {
     # per-channel FP8 (compressed-tensors): cuBLASLt's row-wise scaled GEMM, not Triton
     "fp8_rowwise": KernelSpec("fp8_rowwise", "scaled-mm", _K + "fp8_rowwise", "rowwise_linear",
                               True),
+    # dense MLA prefill (DeepSeek-V3): absorbed, online softmax over the paged latent rows
+    "mla_prefill": KernelSpec("mla_prefill", "triton", _K + "triton_mla", "triton_mla_prefill",
+                              True),
     "moe_experts": KernelSpec("moe_experts", "triton", _K + "triton_moe", "triton_experts", True),
     "moe_experts_fp8": KernelSpec("moe_experts_fp8", "triton", _K + "triton_moe",
                                   "triton_experts_fp8", True),
