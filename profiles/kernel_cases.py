@@ -18,6 +18,7 @@ from graphcp.kernels import (
     triton_dsa,
     triton_fp8_gemm,
     triton_kv_write,
+    triton_mla,
     triton_moe,
     triton_rmsnorm,
     triton_rope,
@@ -193,6 +194,27 @@ def dsa_mla(mock) -> Iterator[Case]:
         config = dict(zip(names, t))
         yield ({"dtype": _name(dtype), **config, "wide": wide}, fn, args,
                {"num_warps": t[4], "num_stages": t[5]})
+
+
+def mla_prefill(mock) -> Iterator[Case]:
+    """Dense MLA prefill (DeepSeek-V3 / Kimi-K2) at every rank's head count: absorbed queries
+    head-major [H, T, latent], their RoPE parts strided in q [T, H, nope + rope]."""
+    fn = triton_mla._mla_prefill_kernel
+    seqs, pages, nope = 2 * REQUESTS, CONTEXT // PAGE_SIZE, 128
+    for dtype, heads, rows, wide in itertools.product((torch.bfloat16, torch.float32), MLA_HEADS,
+                                                      ROWS, (False, True)):
+        t = triton_mla.mla_prefill_tiles(heads, dtype)
+        x = mock(dtype)
+        args = dict(QL=x, QR=x, KV=x, CU=mock(I64), PR=mock(I64), LIM=mock(I64), OUT=x,
+                    stride_lt=LATENT, stride_lh=rows * LATENT, stride_rt=heads * (nope + ROPE),
+                    stride_rh=nope + ROPE, stride_kvs=LATENT + ROPE, stride_ot=LATENT,
+                    stride_oh=rows * LATENT, stride_pr=pages, stride_pp=1, T=rows, S=seqs,
+                    P=pages, heads=heads, qk_scale=0.1, LATENT=LATENT, ROPE=ROPE,
+                    PAGE_SIZE=PAGE_SIZE, BLOCK_H=t.block_h, BLOCK_T=t.block_t, BLOCK_C=LATENT,
+                    BLOCK_R=ROPE, BLOCK_N=t.block_n, BLOCK_S=max(16, seqs),
+                    PREC="ieee" if dtype == torch.float32 else None, DOT_F32=False, WIDE=wide)
+        yield ({"dtype": _name(dtype), **t._asdict(), "wide": wide}, fn, args,
+               {"num_warps": t.num_warps, "num_stages": t.num_stages})
 
 
 # Normalised widths: q/k norms (head dims), MLA's kv / q LoRA norms, hidden sizes.

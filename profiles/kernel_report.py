@@ -43,7 +43,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 from profiles import kernel_cases  # noqa: E402
 
 FAMILIES = ("attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
-            "rmsnorm", "rope")
+            "mla_prefill", "rmsnorm", "rope")
 
 
 @dataclass

@@ -152,14 +152,18 @@ class MLATiles(NamedTuple):
     num_stages: int
 
 
-def mla_prefill_tiles(heads: int, on_cuda: bool = True) -> MLATiles:
-    """A query tile of 32 rows (BLOCK_T tokens x BLOCK_H heads, up to 32 heads) over 8 warps, 16
-    keys a block: the [32, latent] fp32 accumulator and the latent queries fit in registers for
-    latent 512 + rope 64 without spills for sm_90a (``profiles/kernel_report.py``), as the sparse
-    MLA kernel's 32-head tile does. The interpreter takes 16-row tiles (less numpy work)."""
-    rows = 32 if on_cuda else 16
+def mla_prefill_tiles(heads: int, dtype: torch.dtype, on_cuda: bool = True) -> MLATiles:
+    """bf16/fp16: a query tile of 32 rows (BLOCK_T tokens x BLOCK_H heads, up to 32 heads) over 8
+    warps, 32 keys a block: the [32, latent] fp32 accumulator and the latent queries fit in
+    registers for latent 512 + rope 64 (64 rows would spill). fp32 runs its dots on the FMA units
+    (operand rows whole per thread): 16 rows and 16 keys. No spills for sm_90a
+    (``profiles/kernel_report.py``). The interpreter takes 16 x 16 tiles (less numpy work)."""
+    fp32 = dtype == torch.float32
+    rows = 32 if on_cuda and not fp32 else 16
     block_h = min(rows, triton.next_power_of_2(max(1, heads)))
-    return MLATiles(block_h, rows // block_h, 16, 8 if on_cuda else 1, 2 if on_cuda else 1)
+    if not on_cuda:
+        return MLATiles(block_h, rows // block_h, 16, 1, 1)
+    return MLATiles(block_h, rows // block_h, 16 if fp32 else 32, 8, 2)
 
 
 def triton_mla_prefill(args: MLAArgs, workspace: dict | None = None) -> torch.Tensor:
@@ -177,7 +181,7 @@ def triton_mla_prefill(args: MLAArgs, workspace: dict | None = None) -> torch.Te
     if S == 0:
         return out.zero_()
     w = args.kv_b.view(H, d.nope + d.value, d.latent)
-    tiles = mla_prefill_tiles(H, q.device.type == "cuda")
+    tiles = mla_prefill_tiles(H, q.dtype, q.device.type == "cuda")
     per_head = 2 * T * d.latent * q.element_size()
     chunk = max(tiles.block_h, _CHUNK_BYTES // per_head // tiles.block_h * tiles.block_h)
     dot_f32, prec = dot_mode(q)

@@ -104,11 +104,12 @@ def test_head_chunks(monkeypatch):
 
 
 def test_tiles():
-    """32-row query tiles on CUDA (tokens x heads), 16 in the interpreter."""
+    """32-row query tiles on CUDA in bf16 (tokens x heads), 16 in fp32 and in the interpreter."""
     for heads, (bh, bt) in {1: (1, 32), 4: (4, 8), 16: (16, 2), 128: (32, 1)}.items():
-        t = mla_prefill_tiles(heads)
-        assert (t.block_h, t.block_t, t.num_warps) == (bh, bt, 8)
-    assert mla_prefill_tiles(4, on_cuda=False)[:2] == (4, 4)
+        t = mla_prefill_tiles(heads, torch.bfloat16)
+        assert (t.block_h, t.block_t, t.block_n, t.num_warps) == (bh, bt, 32, 8)
+    assert mla_prefill_tiles(128, torch.float32)[:3] == (16, 1, 16)
+    assert mla_prefill_tiles(4, torch.float32, on_cuda=False)[:2] == (4, 4)
 
 
 def test_dispatch(monkeypatch):
