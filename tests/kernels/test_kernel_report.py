@@ -59,10 +59,16 @@ def test_configs_come_from_the_tile_functions(report):
     attention = {(c["dtype"], c["head_dim"], c["block_m"], c["block_n"], c["num_warps"],
                   c["num_stages"]) for c in configs["attention"]}
     for rows in DEFAULT_BUCKETS["cuda"]:
-        for d in (64, 128):
+        for d in (32, 64, 80, 96, 128, 192, 256):       # every family's full-attention head dim
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 key = (str(dtype).removeprefix("torch."), d, *attention_tiles(rows, d, dtype))
                 assert key in attention
+    from graphcp.kernels.triton_mla import mla_prefill_tiles
+    mla = {(c["dtype"], c["block_h"], c["block_t"], c["block_n"]) for c in configs["mla_prefill"]}
+    for heads in (8, 16, 32, 64, 128):                   # DeepSeek-V3's 128 heads over TP 1..16
+        for dtype in (torch.bfloat16, torch.float32):
+            t = mla_prefill_tiles(heads, dtype)
+            assert (str(dtype).removeprefix("torch."), t.block_h, t.block_t, t.block_n) in mla
     gemm = {(c["block_m"], c["block_n"]) for c in configs["fp8_gemm"]
             if c["kernel"] == "_fp8_gemm_kernel"}
     assert gemm == {gemm_tiles(m)[:2] for m in DEFAULT_BUCKETS["cuda"]} | {gemm_tiles(65536)[:2]}

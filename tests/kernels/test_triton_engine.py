@@ -12,7 +12,7 @@ VOCAB = 211
 
 @pytest.fixture(scope="module")
 def hd64_checkpoint(ckpt_dir):
-    # The Triton kernel covers head_dim 64 and 128; keep the model one layer deep for the interpreter.
+    # A power-of-two head_dim (no padded tile); keep the model one layer deep for the interpreter.
     return make_checkpoint(str(ckpt_dir / "llama_hd64"), "llama", seed=5, hidden_size=128, num_attention_heads=2,
                            num_key_value_heads=1, num_hidden_layers=1)
 
