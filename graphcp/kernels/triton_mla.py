@@ -74,8 +74,7 @@ def _mla_prefill_kernel(
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    BLOCK_M: tl.constexpr = BLOCK_T * BLOCK_H
-    m = tl.arange(0, BLOCK_M)
+    m = tl.arange(0, BLOCK_T * BLOCK_H)
     h = tl.program_id(1) * BLOCK_H + m % BLOCK_H        # row m: token m // BLOCK_H, head m % BLOCK_H
     h_ok = h < heads
     h = h.to(tl.int64) if WIDE else h     # head-major latents: h * stride may pass 2**31
@@ -114,9 +113,9 @@ def _mla_prefill_kernel(
                             row_ok, r_ok, True, BLOCK_R != ROPE)
         if DOT_F32:
             q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        m_i = tl.full([BLOCK_T * BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_C], dtype=tl.float32)
         pr_row = PR + seq * stride_pr
         # Key blocks below every live row's limit need no mask (most of a long causal row).
         lo = tl.min(tl.where(row_ok, lim, 2147483647), 0)
@@ -139,7 +138,7 @@ def _mla_prefill_kernel(
         pad_rows = total_q + (pid - total_tiles) * BLOCK_T + t_off
         pad_rows = pad_rows.to(tl.int64) if WIDE else pad_rows
         pad_ok = (pad_rows < T) & (pad_rows >= total_q) & h_ok
-        zero = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        zero = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_C], dtype=tl.float32)
         tl.store(OUT + pad_rows[:, None] * stride_ot + h[:, None] * stride_oh + c[None, :],
                  zero.to(OUT.dtype.element_ty), mask=pad_ok[:, None] & c_ok[None, :])
 
