@@ -26,7 +26,10 @@ import torch  # noqa: E402
 from graphcp.kernels.mla_torch import MLAArgs, MLADims, mla_attention  # noqa: E402
 from graphcp.kernels.torch_ref import torch_paged_attention  # noqa: E402
 from graphcp.kernels.torch_sdpa import torch_sdpa_attention  # noqa: E402
-from graphcp.kernels.triton_attention import _paged_attn_kernel, triton_paged_attention  # noqa: E402
+from graphcp.kernels.triton_attention import (  # noqa: E402
+    _paged_attn_kernel,
+    triton_paged_attention,
+)
 from graphcp.kernels.triton_mla import triton_mla_prefill  # noqa: E402
 
 DEV, PS = torch.device("cuda"), 16
@@ -87,8 +90,8 @@ def attention(d: int, dtype: torch.dtype, window: int, sinks: bool) -> None:
     sink = torch.randn(16, generator=gen).to(DEV) if sinks else None
     scale = d ** -0.5
     out = torch.empty_like(q)
-    want = torch_paged_attention(q.float(), k.float(), v.float(), cu, table, lim, PS, scale, ROWS[0],
-                                 max_kv, torch.empty(q.shape, device=DEV), window=window,
+    want = torch_paged_attention(q.float(), k.float(), v.float(), cu, table, lim, PS, scale,
+                                 ROWS[0], max_kv, torch.empty(q.shape, device=DEV), window=window,
                                  sinks=sink)
 
     def run():

@@ -159,8 +159,8 @@ def _paged_attn_kernel(
             whole = full_end > full_start
             for start in range(first, tl.where(whole, full_start, hi), BLOCK_N):
                 m_i, l_i, acc = _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, k_head,
-                                           v_head, d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
-                                           stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
+                                           v_head, d, d_ok, stride_ks, stride_kd, stride_vs,
+                                           stride_vd, stride_pp, qk_scale, PAGE_SIZE, BLOCK_N, PREC, DOT_F32,
                                            True, True, WIDE, PAD_D)
             full_start = tl.where(whole, full_start, hi)
             full_end = tl.where(whole, full_end, hi)
@@ -278,7 +278,8 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         out.stride(0), out.stride(1), out.stride(2),
         page_rows.stride(0), page_rows.stride(1),
         T, S, P, float(scale) * LOG2E, int(window),
-        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=block_s,
+        GROUP=Hq // Hkv, PAGE_SIZE=page_size, HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_S=block_s,
         PREC=prec, DOT_F32=dot_f32, WIDE=needs_int64(q, k_pool, v_pool, out),
         HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None, num_warps=warps,
         num_stages=stages,

@@ -75,7 +75,7 @@ def _mla_prefill_kernel(
 ):
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_T * BLOCK_H)
-    h = tl.program_id(1) * BLOCK_H + m % BLOCK_H        # row m: token m // BLOCK_H, head m % BLOCK_H
+    h = tl.program_id(1) * BLOCK_H + m % BLOCK_H     # row m: token m // BLOCK_H, head m % BLOCK_H
     h_ok = h < heads
     h = h.to(tl.int64) if WIDE else h     # head-major latents: h * stride may pass 2**31
     t_off = m // BLOCK_H

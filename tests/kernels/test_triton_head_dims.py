@@ -29,7 +29,7 @@ FAMILY_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 
 
 def _batch(gen, d, hkv, page_size, q_lens, prefixes, pad=3):
-    """Sequences extending cached prefixes, on shuffled pages (page 0 unused), padding rows after."""
+    """Sequences extending cached prefixes on shuffled pages (page 0 unused), then padding rows."""
     kv_lens = [n + p for n, p in zip(q_lens, prefixes)]
     pages = max(-(-kv // page_size) for kv in kv_lens)
     num_pages = 1 + len(q_lens) * pages + 2

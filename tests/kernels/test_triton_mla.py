@@ -134,7 +134,8 @@ def test_dispatch(monkeypatch):
         got = mla_op.attend(args, HostMaxima())
     assert calls and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
     calls.clear()
-    assert torch.allclose(mla_op.attend(args, HostMaxima()), want, rtol=1e-4, atol=1e-5) and not calls
+    got = mla_op.attend(args, HostMaxima())
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5) and not calls
 
 
 def test_start_probe_at_the_model_widths(monkeypatch):
