@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from graphcp import attention
-from graphcp.attention.mla import probe_mla
 from graphcp.aux_hidden import AuxHidden, gather_rows
 from graphcp.batch import PrefillOutput, RankReply, Request
 from graphcp.checkpoint.config import check_model_flags
@@ -61,7 +60,8 @@ class ModelRunner:
             probe_layer_ops(self.kernels, self.device, self.dtype)
             probe_gemm(self.kernels, self.model, self.dtype)
             probe_experts(self.kernels, self.model, self.dtype)
-            probe_mla(self.kernels, cfg, par.layers, par.attn_tp, self.device, self.dtype)
+            attention.probe_kernels(self.kernels, cfg, par.layers, par.attn_tp, self.device,
+                                    self.dtype)
         layout = make_strategy(args.resolved_cp_strategy, args.cp_size)       # the flags' layout
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          layout.bottom_right_causal)

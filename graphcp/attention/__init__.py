@@ -16,7 +16,7 @@ from graphcp.attention.kinds import LayerKind, cache_parts, layer_kinds, state_p
 from graphcp.config import EngineArgs
 from graphcp.cp.metadata import CPMetadata, HostMaxima, LastTokens
 from graphcp.distributed.comm import CPComm
-from graphcp.kernels.registry import KERNELS, KernelContext
+from graphcp.kernels.registry import KERNELS, KernelChoices, KernelContext
 from graphcp.kernels.resolve import resolve_dsa, resolve_kernel
 from graphcp.kv.cache import LayerParts, PagedPool
 from graphcp.models.config import ModelConfig
@@ -117,4 +117,14 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
                             halo)
 
 
-__all__ = ["AttentionBackend", "LayerOps", "build"]
+def probe_kernels(choices: KernelChoices, cfg: ModelConfig, layers: range, attn_tp: int,
+                  device: torch.device, dtype: torch.dtype) -> None:
+    """Check, once at start on CUDA, the Triton kernels of the layer kinds in ``layers`` that have
+    a probe (each kind once): a kernel that fails or disagrees leaves its op on the torch form."""
+    kinds = {kind.name: kind for kind in layer_kinds(cfg, layers).values()}
+    for kind in kinds.values():
+        if kind.probe is not None:
+            kind.probe(choices, cfg, attn_tp, device, dtype)
+
+
+__all__ = ["AttentionBackend", "LayerOps", "build", "probe_kernels"]

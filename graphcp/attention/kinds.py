@@ -15,7 +15,7 @@ from graphcp.attention.deepseek_v4 import V4CSAAttention, V4HCAAttention, V4Slid
 from graphcp.attention.dsa import DSAAttention
 from graphcp.attention.linear_cp import linear_attention
 from graphcp.attention.linear_op import CONV, RECURRENT
-from graphcp.attention.mla import MLAAttention
+from graphcp.attention.mla import MLAAttention, probe_mla
 from graphcp.attention.op import PagedAttention
 from graphcp.errors import ConfigError
 from graphcp.kv.cache import CachePart, LayerParts
@@ -42,6 +42,8 @@ class LayerKind:
     heads_split: bool = True        # attention-TP ranks cache their own heads (else the same rows)
     state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None  # per request
     join: Callable[[list[tuple]], tuple] = join_heads      # attention-TP ranks' exports -> one
+    # checks its op's Triton kernels at start on CUDA: (choices, config, attention TP, device, dtype)
+    probe: Callable | None = None
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -106,8 +108,10 @@ KINDS = {
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
                      "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)",
                      heads_split=False),
-    # Dense MLA: its torch forms need no kernel choice; PD carries its rows as a DSA layer's.
-    "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False),
+    # Dense MLA: the Triton prefill (checked by its probe) or the torch forms; PD carries its rows
+    # as a DSA layer's.
+    "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False,
+                     probe=probe_mla),
     # DeepSeek V4 (attention/deepseek_v4.py): one kind per layer type, one PD kind for all three
     "deepseek_v4_sliding": LayerKind("deepseek_v4_sliding", V4SlidingAttention, v4_parts,
                                      v4_export, "deepseek_v4", (), V4_REASON),

@@ -42,13 +42,10 @@ def attend(args: MLAArgs, host: HostMaxima) -> torch.Tensor:
         return fn(args)
 
 
-def probe_mla(choices: KernelChoices, cfg: ModelConfig, layers: range, attn_tp: int,
-              device: torch.device, dtype: torch.dtype) -> None:
-    """Where ``layers`` hold dense MLA, check the Triton prefill once at start (eagerly, before any
-    capture) at the model's widths and this rank's heads: two sequences, one over a cached prefix,
-    padding rows after them."""
-    if not any(cfg.attention_kinds[layer] == "mla" for layer in layers):
-        return
+def probe_mla(choices: KernelChoices, cfg: ModelConfig, attn_tp: int, device: torch.device,
+              dtype: torch.dtype) -> None:
+    """Check the Triton prefill once at start (eagerly, before any capture) at the model's widths
+    and this rank's heads: two sequences, one over a cached prefix, padding rows after them."""
     heads, d = cfg.num_attention_heads // attn_tp, MLAConfig.of(cfg)
     dims = MLADims(d.kv_lora_rank, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim)
     gen, page_size = torch.Generator().manual_seed(0), 16

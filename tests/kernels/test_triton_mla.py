@@ -139,26 +139,26 @@ def test_dispatch(monkeypatch):
 
 
 def test_start_probe_at_the_model_widths(monkeypatch):
-    """``probe_mla`` (what the runner calls on CUDA) checks the kernel at the config's widths and
-    the rank's heads; it accepts the real kernel (here in the interpreter), refuses a wrong one,
-    and does nothing for a model without dense MLA layers."""
+    """``attention.probe_kernels`` (the runner calls it on CUDA; the mla kind's probe) checks the
+    kernel at the config's widths and the rank's heads: it accepts the real kernel (here in the
+    interpreter), refuses a wrong one, and probes nothing for layers without a probing kind."""
     from testkit.mla_checkpoint import DEEPSEEK_V3, SHRUNK
 
-    from graphcp.attention.mla import probe_mla
+    from graphcp.attention import probe_kernels
     from graphcp.models.registry import config_from_dict
     cfg = config_from_dict({**DEEPSEEK_V3, **SHRUNK, "num_hidden_layers": 2}, "config.json")
     assert set(cfg.attention_kinds) == {"mla"}
     cpu = torch.device("cpu")
     choices = KernelChoices()
-    probe_mla(choices, cfg, range(2), 2, cpu, torch.float32)
+    probe_kernels(choices, cfg, range(2), 2, cpu, torch.float32)
     assert choices.get("mla_prefill") is triton_mla_prefill
     wrong = KernelChoices()
     monkeypatch.setitem(LAYER_KERNELS, "mla_prefill", KernelSpec(
         "mla_prefill", "triton", "tests.kernels.test_triton_mla", "_zeros", True))
-    probe_mla(wrong, cfg, range(2), 2, cpu, torch.float32)
+    probe_kernels(wrong, cfg, range(2), 2, cpu, torch.float32)
     assert "mla_prefill" in wrong.fns and wrong.get("mla_prefill") is None
     none = KernelChoices()
-    probe_mla(none, cfg, range(0), 1, cpu, torch.float32)
+    probe_kernels(none, cfg, range(0), 1, cpu, torch.float32)
     assert "mla_prefill" not in none.fns
 
 
