@@ -209,7 +209,7 @@ def mla_prefill(mock) -> Iterator[Case]:
                     stride_lt=LATENT, stride_lh=rows * LATENT, stride_rt=heads * (nope + ROPE),
                     stride_rh=nope + ROPE, stride_kvs=LATENT + ROPE, stride_ot=LATENT,
                     stride_oh=rows * LATENT, stride_pr=pages, stride_pp=1, T=rows, S=seqs,
-                    P=pages, heads=heads, qk_scale=0.1, LATENT=LATENT, ROPE=ROPE,
+                    P=pages, heads=heads, head_blocks=-(-heads // t.block_h), qk_scale=0.1, LATENT=LATENT, ROPE=ROPE,
                     PAGE_SIZE=PAGE_SIZE, BLOCK_H=t.block_h, BLOCK_T=t.block_t, BLOCK_C=LATENT,
                     BLOCK_R=ROPE, BLOCK_N=t.block_n, BLOCK_S=max(16, seqs),
                     PREC="ieee" if dtype == torch.float32 else None, DOT_F32=False, WIDE=wide)

@@ -62,7 +62,8 @@ def probe_mla(choices: KernelChoices, cfg: ModelConfig, attn_tp: int, device: to
                        torch.empty(19, heads, dims.value, device=device, dtype=dtype), page_size,
                        softmax_scale(cfg), dims)
 
-    choices.probe("mla_prefill", lambda fn: fn(args()), lambda: mla_attention(args()), dtype)
+    choices.probe("mla_prefill", lambda fn: fn(args()), lambda: mla_attention(args()), dtype,
+                  dims.latent)
 
 
 class MLAAttention:

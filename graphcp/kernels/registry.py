@@ -27,6 +27,7 @@ ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "torch")     # --attention-
 # head dims of the Triton paged kernel: padded to a power of two in its tiles (80, 96 -> 128;
 # 192 -> 256), so every supported family's full attention runs in it on CUDA
 TRITON_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+MLA_MAX_LATENT = 512            # the MLA prefill's [rows, latent] accumulator (kernel report)
 # Relative max error a compiled kernel may show against its torch form at start, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
@@ -93,6 +94,9 @@ class KernelSpec:
                 return why
             if self.op == "attention" and ctx.head_dim not in TRITON_HEAD_DIMS:
                 return f"supports head_dim {TRITON_HEAD_DIMS}, the model has {ctx.head_dim}"
+            if self.op == "mla_prefill" and ctx.head_dim > MLA_MAX_LATENT:
+                return (f"holds a latent row of at most {MLA_MAX_LATENT} in registers, the model "
+                        f"has kv_lora_rank {ctx.head_dim}")
         if self.name.startswith("flashinfer"):
             fi = importlib.import_module(_FI)
             return fi.unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim, ctx.bottom_right,
@@ -198,12 +202,12 @@ class KernelChoices:
         self.fns: dict[str, Callable | None] = {}
 
     def probe(self, op: str, run: Callable[[Callable], Any], reference: Callable[[], Any],
-              dtype: torch.dtype) -> bool:
+              dtype: torch.dtype, head_dim: int = 0) -> bool:
         """Check the Triton form of layer op ``op`` once (at engine start, eagerly, before any
         capture); it serves from then on only if it agrees, else one warning says why and the torch
-        form serves."""
+        form serves. ``head_dim``: the width the op's kernel holds per row, where it has a limit."""
         spec = LAYER_KERNELS[op]
-        reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype))
+        reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype, head_dim))
         fn = None
         if reason is None:
             try:

@@ -10,8 +10,8 @@ length. Its latent outputs go through W_UV (one batched GEMM) into the values. A
 the one KV row, so a program's query tile is BLOCK_T tokens x BLOCK_H heads of one sequence: the
 heads read each latent block once. The grid is the dense paged kernel's (``triton_attention``):
 sequence tiles found from a prefix sum over ``cu_seqlens_q``, then zero-filling tiles for the
-padding rows, at most T // BLOCK_T + S + 1 on axis 0; head blocks on axis 1. The integer lengths
-are not specialised, so no batch compiles a new kernel.
+padding rows, at most T // BLOCK_T + S + 1, each once per head block (consecutive programs). The
+integer lengths are not specialised, so no batch compiles a new kernel.
 
 Where the absorbed queries of every head would pass ``_CHUNK_BYTES``, heads run in chunks (static
 per shape, so a graph holds them).
@@ -68,14 +68,15 @@ def _mla_prefill_kernel(
     QL, QR, KV, CU, PR, LIM, OUT,
     stride_lt, stride_lh, stride_rt, stride_rh, stride_kvs, stride_ot, stride_oh,
     stride_pr, stride_pp,
-    T, S, P, heads, qk_scale,
+    T, S, P, heads, head_blocks, qk_scale,
     LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # A tile's head blocks are consecutive programs: they run together and share its rows in L2.
+    pid = tl.program_id(0) // head_blocks
     m = tl.arange(0, BLOCK_T * BLOCK_H)
-    h = tl.program_id(1) * BLOCK_H + m % BLOCK_H     # row m: token m // BLOCK_H, head m % BLOCK_H
+    h = (tl.program_id(0) % head_blocks) * BLOCK_H + m % BLOCK_H   # row m: token m // BLOCK_H
     h_ok = h < heads
     h = h.to(tl.int64) if WIDE else h     # head-major latents: h * stride may pass 2**31
     t_off = m // BLOCK_H
@@ -192,12 +193,13 @@ def triton_mla_prefill(args: MLAArgs, workspace: dict | None = None) -> torch.Te
         q_lat = torch.bmm(q_part[..., :d.nope].transpose(0, 1), w[h0:h0 + hc, :d.nope])
         o_lat = torch.empty_like(q_lat)
         q_rope = q_part[..., d.nope:]
-        grid = (T // tiles.block_t + S + 1, triton.cdiv(hc, tiles.block_h))
+        head_blocks = triton.cdiv(hc, tiles.block_h)
+        grid = ((T // tiles.block_t + S + 1) * head_blocks,)
         _mla_prefill_kernel[grid](
             q_lat, q_rope, kv, args.cu_seqlens_q, args.page_rows, args.q_limits, o_lat,
             q_lat.stride(1), q_lat.stride(0), q_rope.stride(0), q_rope.stride(1), kv.stride(0),
             o_lat.stride(1), o_lat.stride(0), args.page_rows.stride(0), args.page_rows.stride(1),
-            T, S, P, hc, float(args.scale) * LOG2E,
+            T, S, P, hc, head_blocks, float(args.scale) * LOG2E,
             LATENT=d.latent, ROPE=d.rope, PAGE_SIZE=page_size, BLOCK_H=tiles.block_h,
             BLOCK_T=tiles.block_t, BLOCK_C=max(16, triton.next_power_of_2(d.latent)),
             BLOCK_R=max(16, triton.next_power_of_2(d.rope)), BLOCK_N=tiles.block_n,

@@ -118,7 +118,9 @@ def test_dispatch(monkeypatch):
     from graphcp.attention import mla as mla_op
     spec = LAYER_KERNELS["mla_prefill"]
     assert spec.fn is triton_mla_prefill and spec.capturable("cuda")
-    assert spec.unsupported_reason(KernelContext(torch.device("cpu"), torch.float32)) is None
+    assert spec.unsupported_reason(KernelContext(torch.device("cpu"), torch.float32, 512)) is None
+    assert "kv_lora_rank 1024" in spec.unsupported_reason(
+        KernelContext(torch.device("cuda"), torch.bfloat16, 1024))
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "TRITON_INTERPRET" in spec.unsupported_reason(
         KernelContext(torch.device("cpu"), torch.float32))
