@@ -170,3 +170,25 @@ def test_lengths_are_not_specialised():
     names = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"T", "S", "P", "window"} <= set(names["_paged_attn_kernel"])
     assert {"T", "S", "P"} <= set(names["_mla_prefill_kernel"])
+
+
+@pytest.mark.parametrize("head_dim", [80, 256])
+def test_engine_at_a_wide_and_a_padded_head_dim(ckpt_dir, engines, oracle, head_dim):
+    """The engine with ``--attention-kernel triton`` (interpreter) at CP 2 zigzag, in graphs, on a
+    one-layer Qwen3 at head_dim 80 (padded tile) and 256 (Qwen3-Next's), equal to HF; then a
+    chunk over the cached prefix."""
+    from testkit.engines import cp_kwargs
+    from testkit.hf_reference import make_checkpoint
+    from testkit.parity import Session, random_ids
+    ckpt = make_checkpoint(str(ckpt_dir / f"qwen3_hd{head_dim}"), "qwen3", seed=head_dim,
+                           num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                           head_dim=head_dim)
+    engine = engines.get(ckpt, **cp_kwargs(2, "zigzag", attention_kernel="triton",
+                                           attention_backend="trtllm_mha",
+                                           cuda_graph_buckets=[16, 32]))
+    assert engine.stats()["attention_kernel"] == "triton"
+    s = Session(engine, oracle, ckpt)
+    out = s.run([("a", random_ids(21, 211, 1)), ("b", random_ids(8, 211, 2))])
+    assert out.cp_applied and out.mode == "graph"
+    s.run([("a", random_ids(6, 211, 3))])
+    s.release_all()
