@@ -33,7 +33,21 @@ def check_model_flags(args: EngineArgs, weights: bool = True) -> ModelConfig:
     cfg = read_model_config(args.model_path)
     check_model_fits(args, cfg)
     check_expert_parallel(cfg, args.ep_size)
+    if args.enable_kv_cache_sharding:
+        check_sharded_kinds(cfg)
     family = family_of(cfg)
     if family.check_flags is not None:      # the flags a family restricts further
         family.check_flags(args, cfg)
     return cfg
+
+
+SHARDED_KINDS = ("gqa", "mla", "dsa")     # layer kinds whose cache lives in pages only
+
+
+def check_sharded_kinds(cfg) -> None:
+    """``--enable-kv-cache-sharding`` shards paged caches; per-request state (Qwen3-Next / 3.5) and
+    DeepSeek V4's compressed caches are not sharded."""
+    other = sorted(set(cfg.attention_kinds) - set(SHARDED_KINDS))
+    if other:
+        raise ConfigError(f"--enable-kv-cache-sharding shards the paged caches of {', '.join(SHARDED_KINDS)} "
+                          f"layers; this model has {', '.join(other)} layers: drop the flag")
