@@ -142,3 +142,23 @@ def test_capacity_is_cp_times_one_ranks_pool(checkpoint, engines):
     out = group.prefill([_request("long", 300)])
     assert out.logits.shape[0] == 1
     group.release("long")
+
+
+def test_memory_plan_shows_the_group_capacity(checkpoint, engines):
+    """``graphcp memory`` from config.json: the pool per rank (its KV bytes per token include the
+    scratch layer), the group's C x as many tokens; a real sharded engine sizes itself the same."""
+    from graphcp.memory import memory_report
+    from graphcp.tools.memory import format_report
+    flags = dict(gpu_memory_gib=0.003, mem_fraction_static=0.5, cuda_graph_buckets=[64, 128])
+    plain = memory_report(EngineArgs(model_path=checkpoint, **cp_kwargs(2), **flags), "cpu", 0.003)
+    args = EngineArgs(model_path=checkpoint, **sharded(2, "zigzag", **flags) | dict(max_total_tokens=None))
+    report = memory_report(args, "cpu", 0.003)
+    rank, one = report.ranks[0], plain.ranks[0]
+    layer_bytes = one.kv_bytes_per_token // 2                  # 2 layers alike
+    assert rank.kv_bytes_per_token == one.kv_bytes_per_token + 2 * layer_bytes
+    assert rank.group_kv_tokens == 2 * rank.max_total_tokens and rank.max_context == rank.group_kv_tokens
+    assert rank.max_total_tokens < one.max_total_tokens      # 2 layers: the scratch is a whole pool
+    assert f"the group holds {rank.group_kv_tokens} tokens" in format_report(report)
+    engine = engines.get(checkpoint, **sharded(2, "zigzag", **flags) | dict(max_total_tokens=None))
+    pages = -(-rank.max_total_tokens // PAGE)
+    assert engine.stats()["kv_tokens_total"] == 2 * pages * PAGE
