@@ -62,8 +62,8 @@ def test_owned_slots_send_other_ranks_rows_to_the_dummy_slot():
         page = slots // ps
         want = [bool(p) and (p - 1) % cp == rank for p in page.tolist()]
         assert owned.tolist() == want
-        for s, l, o in zip(slots.tolist(), local.tolist(), want):
-            assert l == (((s // ps - 1) // cp + 1) * ps + s % ps if o else 0)
+        for s, mine, o in zip(slots.tolist(), local.tolist(), want):
+            assert mine == (((s // ps - 1) // cp + 1) * ps + s % ps if o else 0)
 
 
 def test_prefix_plan_moves_each_cached_page_from_its_owner():
@@ -162,3 +162,15 @@ def test_memory_plan_shows_the_group_capacity(checkpoint, engines):
     engine = engines.get(checkpoint, **sharded(2, "zigzag", **flags) | dict(max_total_tokens=None))
     pages = -(-rank.max_total_tokens // PAGE)
     assert engine.stats()["kv_tokens_total"] == 2 * pages * PAGE
+    # graphcp bench --kv-sharding counts the prefix bytes the engine moves (a fresh engine's pages)
+    from graphcp.tools.shard_bench import gathered_per_layer, layer_bytes, report
+    before = engine.stats()["kv_prefix_gathered_bytes"]
+    engine.prefill([_request("p", 100)])
+    engine.prefill([_request("p", 40)])
+    moved = (engine.stats()["kv_prefix_gathered_bytes"] - before) // 2          # per layer
+    # 7 prefix pages: 4 from the busier owner, from each rank, 512 B/token a layer
+    assert moved == gathered_per_layer(args, 100, 40, layer_bytes(args))["prefix"] == 2 * 4 * PAGE * 512
+    engine.release("p")
+    bench = report(args, [4096, 65536], 2048, 0.003)
+    assert bench["capacity"]["sharded"]["group_tokens"] == rank.group_kv_tokens
+    assert [r["sharded_bytes"] > r["unsharded_bytes"] for r in bench["rows"]] == [True, True]
