@@ -164,8 +164,8 @@ class EngineArgs:
         refused = (("--pp > 1", self.pp_size > 1), ("--dp > 1", self.dp_size > 1),
                    ("--enable-dsa-cache-layer-split", self.enable_dsa_cache_layer_split),
                    ("--enable-adaptive-cp", self.enable_adaptive_cp),
-                   ("--disaggregation-mode prefill (PD transfer of a sharded cache)",
-                    self.disaggregation_mode != "null"))
+                   ("--disaggregation-bootstrap-port (SGLang's PD protocol)",
+                    self.disaggregation_bootstrap_port is not None))
         for what, bad in refused:
             if bad:
                 raise ConfigError(f"{flag} does not combine with {what}; drop one of them")

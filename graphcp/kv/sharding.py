@@ -170,7 +170,8 @@ class ShardedPool(PagedPool):
                 "kv_prefix_gathered_bytes": self.prefix_gathered_bytes}
 
     def transfer_parts(self, layer: int) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError("a PD transfer of a sharded cache (refused at start)")
+        """What a PD sender reads: this rank's pages (``registered`` is the persistent storage)."""
+        return tuple(self.stored(layer, p.name) for p in self.layer_parts[layer])
 
     @property
     def nbytes(self) -> int:
