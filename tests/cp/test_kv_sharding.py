@@ -175,3 +175,18 @@ def test_memory_plan_shows_the_group_capacity(checkpoint, engines):
     bench = report(args, [4096, 65536], 2048, 0.003)
     assert bench["capacity"]["sharded"]["group_tokens"] == rank.group_kv_tokens
     assert [r["sharded_bytes"] > r["unsharded_bytes"] for r in bench["rows"]] == [True, True]
+
+
+def test_rollback_gives_every_rank_its_pages_back():
+    """A failed batch's pages return to the stack in order: every rank's count is as before, and the
+    next batch gets the same pages (the same owners)."""
+    cp = 2
+    table = PageTable(group_pages(17, cp), PAGE, 16 * cp * PAGE)
+    table.allocate(["a"], [3 * PAGE])
+    table.commit(["a"], [3 * PAGE])
+    before = table.tokens_free
+    added = table.allocate(["a", "b"], [2 * PAGE, 5 * PAGE])
+    table.rollback(["a", "b"], added)
+    assert table.tokens_free == before and "b" not in table.requests and len(table.requests["a"].pages) == 3
+    again = table.allocate(["a", "b"], [2 * PAGE, 5 * PAGE])
+    assert [x.tolist() for x in again] == [x.tolist() for x in added]
