@@ -42,6 +42,9 @@ class LayerKind:
     heads_split: bool = True        # attention-TP ranks cache their own heads (else the same rows)
     state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None  # per request
     join: Callable[[list[tuple]], tuple] = join_heads      # attention-TP ranks' exports -> one
+    # its op writes and reads the pool through ``write`` / ``part`` / ``prepare`` only: its cache can
+    # be sharded over the CP group (``kv/sharding.py``)
+    shardable: bool = False
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -102,12 +105,14 @@ def _linear_join(shards: list[tuple]) -> tuple:
 
 
 KINDS = {
-    "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
+    "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",),
+                     shardable=True),
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
                      "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)",
-                     heads_split=False),
+                     heads_split=False, shardable=True),
     # Dense MLA: its torch forms need no kernel choice; PD carries its rows as a DSA layer's.
-    "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False),
+    "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False,
+                     shardable=True),
     # DeepSeek V4 (attention/deepseek_v4.py): one kind per layer type, one PD kind for all three
     "deepseek_v4_sliding": LayerKind("deepseek_v4_sliding", V4SlidingAttention, v4_parts,
                                      v4_export, "deepseek_v4", (), V4_REASON),

@@ -41,13 +41,12 @@ def check_model_flags(args: EngineArgs, weights: bool = True) -> ModelConfig:
     return cfg
 
 
-SHARDED_KINDS = ("gqa", "mla", "dsa")     # layer kinds whose cache lives in pages only
-
-
 def check_sharded_kinds(cfg) -> None:
-    """``--enable-kv-cache-sharding`` shards paged caches; per-request state (Qwen3-Next / 3.5) and
-    DeepSeek V4's compressed caches are not sharded."""
-    other = sorted(set(cfg.attention_kinds) - set(SHARDED_KINDS))
+    """``--enable-kv-cache-sharding`` shards paged caches whose ops read them through the pool's
+    hooks (``LayerKind.shardable``); per-request state and compressed caches are not sharded."""
+    from graphcp.attention.kinds import KINDS
+    other = sorted({k for k in cfg.attention_kinds if not (k in KINDS and KINDS[k].shardable)})
     if other:
-        raise ConfigError(f"--enable-kv-cache-sharding shards the paged caches of {', '.join(SHARDED_KINDS)} "
-                          f"layers; this model has {', '.join(other)} layers: drop the flag")
+        shardable = ", ".join(name for name, kind in KINDS.items() if kind.shardable)
+        raise ConfigError(f"--enable-kv-cache-sharding shards the paged caches of {shardable} layers; "
+                          f"this model has {', '.join(other)} layers: drop the flag")
