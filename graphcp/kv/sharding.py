@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from graphcp.distributed.comm import all_gather_into, all_reduce
+from graphcp.distributed.comm import _gather_into, all_gather_into, all_reduce
 from graphcp.graph.protocol import graph_break
 from graphcp.kv.cache import LayerParts, PagedPool
 
@@ -102,6 +102,11 @@ class ShardedPool(PagedPool):
                         for name, shape in shapes.items()}
         self.plan: PrefixPlan | None = None
         self.prefix_gathered_bytes = 0       # every layer's prefix all-gathers so far (received)
+        layers = sorted(self.layer_parts)
+        self._next_layer = dict(zip(layers, layers[1:]))
+        self.overlap = (self.device.type == "cpu" and group is not None
+                        and dist.get_backend(group) == "gloo")
+        self._ahead: tuple | None = None     # (layer, work, recv, send): a gather started ahead
 
     # -- what the kernels read: the scratch ------------------------------------------------------
     def part(self, layer: int, name: str) -> torch.Tensor:
@@ -124,6 +129,7 @@ class ShardedPool(PagedPool):
 
     # -- the cached prefix, per layer ------------------------------------------------------------
     def begin_batch(self, rows: list, prefix_lens: list[int]) -> None:
+        self._drain()
         plan = PrefixPlan(rows, prefix_lens, self.page_size, self.cp_size, self.cp_rank, self.device)
         self.plan = plan if plan.width else None
 
@@ -133,19 +139,44 @@ class ShardedPool(PagedPool):
 
     def gather_prefix(self, layer: int) -> None:
         """The batch's cached-prefix pages of ``layer`` from their owners into the scratch: one
-        all-gather of every part (whole pages: a chunk's rows in the last one are written after)."""
-        plan, ps, parts = self.plan, self.page_size, self.layer_parts[layer]
-        if plan is None:
+        all-gather of every part (whole pages: a chunk's rows in the last one are written after).
+        On gloo with host tensors the next layer's gather is started here, to run under this
+        layer's attention (one layer ahead); NCCL gathers each layer in its break."""
+        if self.plan is None:
             return
-        widths = [p.width for p in parts]
-        send = torch.cat([self.stored(layer, p.name).view(-1, ps, p.width).index_select(0, plan.send)
-                          for p in parts], dim=2)
-        recv = send.new_empty((self.cp_size * plan.width, ps, sum(widths)))
-        all_gather_into(recv, send, self.group)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == layer:
+            _, work, recv, _ = ahead
+            work.wait()
+        else:
+            if ahead is not None:
+                ahead[1].wait()
+            recv = self._start(layer)[1]
         self.prefix_gathered_bytes += recv.numel() * recv.element_size()
-        for part, block in zip(parts, recv.split(widths, dim=2)):
+        parts, ps = self.layer_parts[layer], self.page_size
+        for part, block in zip(parts, recv.split([p.width for p in parts], dim=2)):
             view = self.scratch[part.name].view(-1, ps, part.width)
-            view.index_copy_(0, plan.dest, block.contiguous())
+            view.index_copy_(0, self.plan.dest, block.contiguous())
+        later = self._next_layer.get(layer)
+        if self.overlap and later is not None:
+            self._ahead = (later, *self._start(later, async_op=True))
+
+    def _start(self, layer: int, async_op: bool = False) -> tuple:
+        """(work or None, the receive buffer, the send buffer: kept alive until the work is done)."""
+        plan, ps, parts = self.plan, self.page_size, self.layer_parts[layer]
+        send = torch.cat([self.stored(layer, p.name).view(-1, ps, p.width).index_select(0, plan.send)
+                          for p in parts], dim=2).contiguous()
+        recv = send.new_empty((self.cp_size * plan.width, ps, send.shape[2]))
+        if async_op:
+            return _gather_into(recv, send, group=self.group, async_op=True), recv, send
+        all_gather_into(recv, send, self.group)
+        return None, recv, send
+
+    def _drain(self) -> None:
+        """A gather started ahead for a forward that did not reach its layer (it raised): finish it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].wait()
 
     # -- whole caches (engine.kv_cache): every CP rank calls it with the same slots ---------------
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:

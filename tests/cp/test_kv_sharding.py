@@ -129,6 +129,17 @@ def test_sharded_cache_matches_hf(checkpoint, engines, oracle, cp, strategy):
     print(f"cp{cp} {strategy}: worst rel err {s.worst:.2e}")
 
 
+def test_sharded_with_attention_tp2_matches_hf(checkpoint, engines, oracle):
+    """--tp 4 --attn-cp-size 2: each CP group of one attention-TP rank shards its heads' pages."""
+    engine = engines.get(checkpoint, **sharded(2, "zigzag", cuda_graph_buckets=[64, 128]) | dict(tp_size=4))
+    s = Session(engine, oracle, checkpoint)
+    out = s.run([("a", random_ids(150, VOCAB, 1)), ("b", random_ids(45, VOCAB, 2))])
+    out = s.run([("a", random_ids(130, VOCAB, 3))])
+    assert out.cp_applied and out.mode == "graph", out.eager_reason
+    s.release_all()
+    assert engine.stats()["kv_pages_used_per_rank"] == [0] * 4
+
+
 def _request(rid: str, n: int):
     from graphcp import Request
     return Request(rid, random_ids(n, VOCAB, 99))
