@@ -61,8 +61,9 @@ def make_pool(parts: LayerParts, args: EngineArgs, par: "RankParallel", dtype: t
     num_pages = -(-tokens // args.page_size) + 1                   # + the reserved dummy page
     table_pages = group_pages(num_pages, args.cp_size) if sharded else num_pages
     max_context = context_limit(max_positions, tokens * args.cp_size if sharded else tokens)
-    log.info("graphcp memory: rank %d: %s", par.me.rank,
-             describe(weight_bytes, per_token, budget, tokens, max_context))
+    group = f"; KV sharded: the CP group holds {tokens * args.cp_size} tokens" if sharded else ""
+    log.info("graphcp memory: rank %d: %s%s", par.me.rank,
+             describe(weight_bytes, per_token, budget, tokens, max_context), group)
     if split:
         pool = LayerSplitPool(parts, num_pages, args.page_size, dtype, par.device, par.groups.cp, par.cp_ranks,
                               par.me.cp_rank)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from graphcp.distributed.comm import _gather_into, all_gather_into, all_reduce
 from graphcp.graph.protocol import graph_break
 from graphcp.kv.cache import LayerParts, PagedPool
+from graphcp.profiling import nvtx_range
 
 
 def page_owner(pages, cp_size: int):
@@ -83,7 +84,8 @@ class PrefixPlan:
 @graph_break(collective=True)
 def _gather_prefix(pool: "ShardedPool", layer: int) -> None:
     """Runs eagerly (inside a graph replay too): the live batch's prefix pages of ``layer``."""
-    pool.gather_prefix(layer)
+    with nvtx_range("kv_prefix_gather"):
+        pool.gather_prefix(layer)
 
 
 class ShardedPool(PagedPool):
