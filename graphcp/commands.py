@@ -49,7 +49,8 @@ def merge(cmd: str, replies: list[Any]) -> Any:
     pipeline stage and attention-TP rank, rank 0's stats with each rank's weight bytes."""
     if cmd == "prefill":
         return _merge_prefill([r for r in replies if r is not None])
-    # CP ranks hold the same cache (KV sharding gathers it), except under LayerSplit (each its own layers)
+    # CP ranks hold the same cache (KV sharding gathers it), except under LayerSplit (each its
+    # own layers)
     if cmd == "kv_cache":
         return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["some_layers"])])
     if cmd == "transfer_kv":

@@ -58,7 +58,7 @@ class EngineArgs:
     disaggregation_transfer_timeout_s: float = 30.0
     disaggregation_bootstrap_port: int | None = None  # SGLang PD: serve SGLang's bootstrap and protocol here
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
-    enable_kv_cache_sharding: bool = False           # each KV page stored once per CP group (kv/sharding.py)
+    enable_kv_cache_sharding: bool = False           # each KV page once per CP group (kv/sharding)
     speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
     enable_adaptive_cp: bool = False                 # short requests whole on one CP rank, long ones zigzag
     adaptive_cp_threshold: int | None = None         # new tokens from which a request is split (None: model)
@@ -156,11 +156,11 @@ class EngineArgs:
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
 
     def _check_kv_sharding(self) -> None:
-        """What ``--enable-kv-cache-sharding`` serves: one CP group per stage, every page stored once."""
+        """What ``--enable-kv-cache-sharding`` serves: one CP group per stage, each page once."""
         flag = "--enable-kv-cache-sharding"
         if self.cp_size < 2:
-            raise ConfigError(f"{flag} needs --enable-prefill-cp with --attn-cp-size >= 2 (it shards "
-                              "the KV pages over the CP group)")
+            raise ConfigError(f"{flag} needs --enable-prefill-cp with --attn-cp-size >= 2 (it "
+                              "shards the KV pages over the CP group)")
         refused = (("--pp > 1", self.pp_size > 1), ("--dp > 1", self.dp_size > 1),
                    ("--enable-dsa-cache-layer-split", self.enable_dsa_cache_layer_split),
                    ("--enable-adaptive-cp", self.enable_adaptive_cp),

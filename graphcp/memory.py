@@ -39,7 +39,7 @@ class RankMemory:
     own_max_total_tokens: int       # what this rank alone could hold (0: its budget fails)
     max_total_tokens: int = 0       # the pool every rank gets: the least of them
     max_context: int = 0
-    group_kv_tokens: int = 0        # the CP group's unique KV tokens (C x the pool under KV sharding)
+    group_kv_tokens: int = 0        # the CP group's unique KV tokens (C x the pool, KV sharding)
     problem: str | None = None
 
 

@@ -42,8 +42,8 @@ class LayerKind:
     heads_split: bool = True        # attention-TP ranks cache their own heads (else the same rows)
     state: Callable[[ModelConfig, int, int], tuple[CachePart, ...]] | None = None  # per request
     join: Callable[[list[tuple]], tuple] = join_heads      # attention-TP ranks' exports -> one
-    # its op writes and reads the pool through ``write`` / ``part`` / ``prepare`` only: its cache can
-    # be sharded over the CP group (``kv/sharding.py``)
+    # its op uses the pool through ``write`` / ``part`` / ``prepare`` only: its cache can be
+    # sharded over the CP group (``kv/sharding.py``)
     shardable: bool = False
 
 

@@ -48,5 +48,5 @@ def check_sharded_kinds(cfg) -> None:
     other = sorted({k for k in cfg.attention_kinds if not (k in KINDS and KINDS[k].shardable)})
     if other:
         shardable = ", ".join(name for name, kind in KINDS.items() if kind.shardable)
-        raise ConfigError(f"--enable-kv-cache-sharding shards the paged caches of {shardable} layers; "
-                          f"this model has {', '.join(other)} layers: drop the flag")
+        raise ConfigError(f"--enable-kv-cache-sharding shards the paged caches of {shardable} "
+                          f"layers; this model has {', '.join(other)} layers: drop the flag")

@@ -1,5 +1,5 @@
-"""KV sequence sharding (``--enable-kv-cache-sharding``, SGLang #30501): each page stored once per CP
-group, not once per rank.
+"""KV sequence sharding (``--enable-kv-cache-sharding``, SGLang #30501): each page stored once per
+CP group, not once per rank.
 
 The page table (``kv/pages.py``) numbers the group's pages 1..C x P (page 0 stays the dummy page);
 a logical page is the C consecutive aligned pages ``C*L + 1 .. C*L + C``, one per rank: page ``g``
@@ -36,7 +36,8 @@ def local_page(pages, cp_size: int):
 
 
 def group_pages(local_pages: int, cp_size: int) -> int:
-    """Pages of the group's page table (dummy included) over pools of ``local_pages`` (dummy too)."""
+    """Pages of the group's page table (dummy included) over pools of ``local_pages`` (dummy
+    too)."""
     return (local_pages - 1) * cp_size + 1
 
 
@@ -132,7 +133,8 @@ class ShardedPool(PagedPool):
     # -- the cached prefix, per layer ------------------------------------------------------------
     def begin_batch(self, rows: list, prefix_lens: list[int]) -> None:
         self._drain()
-        plan = PrefixPlan(rows, prefix_lens, self.page_size, self.cp_size, self.cp_rank, self.device)
+        plan = PrefixPlan(rows, prefix_lens, self.page_size, self.cp_size, self.cp_rank,
+                          self.device)
         self.plan = plan if plan.width else None
 
     def prepare(self, layer: int) -> None:
@@ -164,10 +166,10 @@ class ShardedPool(PagedPool):
             self._ahead = (later, *self._start(later, async_op=True))
 
     def _start(self, layer: int, async_op: bool = False) -> tuple:
-        """(work or None, the receive buffer, the send buffer: kept alive until the work is done)."""
+        """(work or None, the receive buffer, the send buffer: kept until the work is done)."""
         plan, ps, parts = self.plan, self.page_size, self.layer_parts[layer]
-        send = torch.cat([self.stored(layer, p.name).view(-1, ps, p.width).index_select(0, plan.send)
-                          for p in parts], dim=2).contiguous()
+        send = torch.cat([self.stored(layer, p.name).view(-1, ps, p.width)
+                          .index_select(0, plan.send) for p in parts], dim=2).contiguous()
         recv = send.new_empty((self.cp_size * plan.width, ps, send.shape[2]))
         if async_op:
             return _gather_into(recv, send, group=self.group, async_op=True), recv, send
@@ -175,7 +177,8 @@ class ShardedPool(PagedPool):
         return None, recv, send
 
     def _drain(self) -> None:
-        """A gather started ahead for a forward that did not reach its layer (it raised): finish it."""
+        """A gather started ahead for a forward that did not reach its layer (it raised):
+        finish it."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead[1].wait()

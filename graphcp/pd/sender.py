@@ -6,8 +6,8 @@ stage's layers are split over its CP ranks, which send in parallel; attention-TP
 only the DP group holding the request sends. A layer's parts are the pool's (dense: K and V; DSA: the MLA
 rows and, on indexed layers, the indexer keys). Each rank writes its data, then its part of the slot header
 (tokens written per layer and head): the receiver sees a request whole only when every part has arrived.
-Under KV sharding (``kv/sharding.py``) each CP rank sends the pages it owns of every layer; the CP ranks
-agree that all their pages arrived before each marks its layers' header (one all-reduce).
+Under KV sharding (``kv/sharding.py``) each CP rank sends the pages it owns of every layer; the CP
+ranks agree that all their pages arrived before each marks its layers' header (one all-reduce).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class KVSender:
         self.model = layout_for(model_config, 1, _dtype_name(registered[0].dtype))
         mine = layer_ranges(len(stage_layers), cp_size)[cp_rank]      # the LayerSplit ranges, split or not
         self.layers = range(stage_layers.start + mine.start, stage_layers.start + mine.stop)
-        # the layers whose data this rank sends: its header's, or every layer's pages it owns (sharded)
+        # the layers whose data this rank sends: its header's, or (sharded) every layer's pages
         self.sharded = isinstance(pool, ShardedPool)
         self.data_layers = stage_layers if self.sharded else self.layers
         # Header columns this rank marks: the KV heads of its attention-TP rank (dense), the one MLA row (DSA).
@@ -110,13 +110,13 @@ class KVSender:
         if error is not None:
             raise error
         if not int(ok):
-            raise TransferError(f"request {rid!r}: another CP rank's write of its KV pages failed; the KV "
-                                "stays cached until released")
+            raise TransferError(f"request {rid!r}: another CP rank's write of its KV pages failed; "
+                                "the KV stays cached until released")
 
     def _writes(self, layout: SlotLayout, data_addr: int, state: RequestKV) -> tuple[list, list, list]:
         """(source, target, length) of every write, read in place from the pool's pages; a page of a part
-        is one write when this rank holds the whole row, else one write per token (its heads of the row).
-        Sharded: only the pages this rank owns, from their places in its pool."""
+        is one write when this rank holds the whole row, else one write per token (its heads of the
+        row). Sharded: only the pages this rank owns, from their places in its pool."""
         ps, n = self.pool.page_size, state.cached_len
         pages = np.asarray(state.pages)[:-(-n // ps)]
         index = np.arange(len(pages))

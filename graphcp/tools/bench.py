@@ -70,9 +70,9 @@ def run(argv: list[str]) -> int:
                         help="instead of the cases: one request at 1K to 64K tokens (128K with --long) at CP 1, 2 "
                              "and 4 beside HF, with a log-log plot (flags: graphcp bench --scale --help)")
     parser.add_argument("--kv-sharding", action="store_true",
-                        help="instead of the cases: capacity and per-layer gathered bytes with and without "
-                             "--enable-kv-cache-sharding at 4K-64K cached prefixes (flags: graphcp bench "
-                             "--kv-sharding --help)")
+                        help="instead of the cases: capacity and per-layer gathered bytes with "
+                             "and without --enable-kv-cache-sharding at 4K-64K cached prefixes "
+                             "(flags: graphcp bench --kv-sharding --help)")
     parser.add_argument("--real-model", action="store_true",
                         help="bench the real trained model (SmolLM2-135M-Instruct, GGUF) instead of the random one")
     parser.add_argument("--balance-cp", type=int, default=None,

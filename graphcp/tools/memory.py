@@ -29,9 +29,10 @@ def format_report(report: MemoryReport) -> str:
                      f"{r.reserve_bytes / GIB:>11.2f}  {r.max_total_tokens:>11}  {r.max_context:>15}")
     first = report.ranks[0] if report.ranks else None
     if first is not None and first.group_kv_tokens != first.max_total_tokens:
+        times = first.group_kv_tokens // max(first.max_total_tokens, 1)
         lines.append(f"KV cache sharding: each page stored once per CP group; the group holds "
-                     f"{first.group_kv_tokens} tokens ({first.group_kv_tokens // max(first.max_total_tokens, 1)}"
-                     f" x the pool; KV B/token includes the scratch layer)")
+                     f"{first.group_kv_tokens} tokens ({times} x the pool; KV B/token includes the "
+                     "scratch layer)")
     lines.append("fits" if report.fits else f"does not fit: {report.problem}")
     return "\n".join(lines)
 

@@ -1,11 +1,12 @@
-"""``graphcp bench --kv-sharding``: what ``--enable-kv-cache-sharding`` buys and costs at 4K-64K cached
-prefixes, for the given model and CP flags (config.json alone, no weights, no device).
+"""``graphcp bench --kv-sharding``: what ``--enable-kv-cache-sharding`` buys and costs at 4K-64K
+cached prefixes, for the given model and CP flags (config.json alone, no weights, no device).
 
-Capacity: each rank's pool (``graphcp memory``'s plan, the scratch layer included) and the tokens the
-CP group holds, unsharded (each page on every rank) and sharded (each page once). Traffic: the bytes
-each rank receives per layer for one chunk over a cached prefix: the chunk's all-gather (both) plus,
-sharded, the prefix pages from their owners, counted by the engine's own page table and prefix plan
-(``kv/sharding.py``); ``tests/cp/test_kv_sharding.py`` pins these numbers to a sharded engine's counter.
+Capacity: each rank's pool (``graphcp memory``'s plan, the scratch layer included) and the tokens
+the CP group holds, unsharded (each page on every rank) and sharded (each page once). Traffic: the
+bytes each rank receives per layer for one chunk over a cached prefix: the chunk's all-gather (both)
+plus, sharded, the prefix pages from their owners, counted by the engine's own page table and prefix
+plan (``kv/sharding.py``); ``tests/cp/test_kv_sharding.py`` pins these numbers to a sharded engine's
+counter.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def layer_bytes(args: EngineArgs) -> int:
 def gathered_per_layer(args: EngineArgs, prefix: int, chunk: int, per_token: int) -> dict[str, int]:
     """Bytes one rank receives per layer for a request of ``prefix`` cached tokens extended by
     ``chunk``: the chunk's rows from every rank (padded to the largest), and under sharding the
-    prefix's pages from their owners (padded to the largest owner's count), as the engine moves them."""
+    prefix's pages from their owners (padded to the largest owner's count), as the engine moves
+    them."""
     cp, ps = args.cp_size, args.page_size
     layout = build_layout(args.resolved_cp_strategy, cp, 0, [chunk], [prefix])
     chunk_bytes = cp * max(layout.per_rank_tokens) * per_token
@@ -54,7 +56,8 @@ def report(args: EngineArgs, prefixes: list[int], chunk: int, device_gib: float 
     for name, flags in (("unsharded", plain), ("sharded", sharded)):
         rank = memory_report(flags, device, device_gib).ranks[0]
         capacity[name] = {"pool_tokens_per_rank": rank.max_total_tokens,
-                          "group_tokens": rank.group_kv_tokens, "kv_bytes_per_token": rank.kv_bytes_per_token}
+                          "group_tokens": rank.group_kv_tokens,
+                          "kv_bytes_per_token": rank.kv_bytes_per_token}
     per_token, rows = layer_bytes(args), []
     for prefix in prefixes:
         moved = gathered_per_layer(args, prefix, chunk, per_token)
@@ -62,7 +65,8 @@ def report(args: EngineArgs, prefixes: list[int], chunk: int, device_gib: float 
                      "sharded_bytes": moved["chunk"] + moved["prefix"],
                      "held_per_rank_unsharded": (prefix + chunk) * per_token,
                      "held_per_rank_sharded": -(-(prefix + chunk) // args.cp_size) * per_token})
-    return {"cp_size": args.cp_size, "strategy": args.resolved_cp_strategy, "layer_bytes_per_token": per_token,
+    return {"cp_size": args.cp_size, "strategy": args.resolved_cp_strategy,
+            "layer_bytes_per_token": per_token,
             "capacity": capacity, "rows": rows}
 
 
@@ -79,19 +83,22 @@ def format_report(result: dict) -> str:
                  "held MiB/layer unsharded  sharded")
     for r in result["rows"]:
         lines.append(f"  {r['prefix']:>26}  {r['chunk']:>6}  {r['unsharded_bytes'] / mib:>22.2f}  "
-                     f"{r['sharded_bytes'] / mib:>7.2f}  {r['held_per_rank_unsharded'] / mib:>24.2f}  "
+                     f"{r['sharded_bytes'] / mib:>7.2f}  "
+                     f"{r['held_per_rank_unsharded'] / mib:>24.2f}  "
                      f"{r['held_per_rank_sharded'] / mib:>7.2f}")
     return "\n".join(lines)
 
 
 def run(argv: list[str]) -> int:
     from graphcp.tools.cli import engine_args, engine_parser
-    parser = engine_parser("graphcp bench --kv-sharding", "KV sharding: capacity and per-layer gathered "
-                           "bytes with and without it at cached prefixes (config.json alone).", cp_default=2)
+    parser = engine_parser("graphcp bench --kv-sharding",
+                           "KV sharding: capacity and per-layer gathered bytes with and without "
+                           "it at cached prefixes (config.json alone).", cp_default=2)
     parser.add_argument("--prefixes", type=int, nargs="+", default=list(DEFAULT_PREFIXES),
                         help="cached prefix lengths (tokens)")
     parser.add_argument("--chunk", type=int, default=2048, help="new tokens extending each prefix")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON")
+    parser.add_argument("--json", dest="json_out", default=None,
+                        help="also write the results as JSON")
     ns = parser.parse_args(argv)
     args = engine_args(ns)
     result = report(args, ns.prefixes, ns.chunk, ns.gpu_memory_gib)

@@ -1,8 +1,8 @@
-"""KV sequence sharding (``--enable-kv-cache-sharding``): the ownership arithmetic (a bijection onto
-the ranks' pools, balanced within one page), and engines over real gloo ranks equal to HF (logits and
-the gathered cache) at CP 2 and 4 in both layouts, in chunked prefill over a sharded prefix, graphs at
-CP 2, with the group's capacity C x one rank's pool serving a request longer than one rank's pool;
-release and a refused batch leave every rank's pages as they should."""
+"""KV sequence sharding (``--enable-kv-cache-sharding``): the ownership arithmetic (a bijection
+onto the ranks' pools, balanced within one page), and engines over real gloo ranks equal to HF
+(logits and the gathered cache) at CP 2 and 4 in both layouts, in chunked prefill over a sharded
+prefix, zigzag in graphs, with the group's capacity C x one rank's pool serving a request longer
+than one rank's pool; release and a refused batch leave every rank's pages as they should."""
 from __future__ import annotations
 
 import types
@@ -29,7 +29,7 @@ def test_pages_map_one_to_one_onto_the_ranks_pools(cp):
     pages = np.arange(1, group_pages(local, cp))
     assert len(pages) == cp * (local - 1)
     homes = set(zip(page_owner(pages, cp).tolist(), local_page(pages, cp).tolist()))
-    assert homes == {(c, p) for c in range(cp) for p in range(1, local)}   # each stored exactly once
+    assert homes == {(c, p) for c in range(cp) for p in range(1, local)}   # each stored once
     for start in range(1, len(pages)):            # any run of consecutive pages: within one page
         for n in range(1, len(pages) - start + 2):
             counts = np.bincount(page_owner(np.arange(start, start + n), cp), minlength=cp)
@@ -115,7 +115,7 @@ def test_sharded_cache_matches_hf(checkpoint, engines, oracle, cp, strategy):
     # Chunked prefill over the sharded prefix: "a" grows past one rank's pool (256 tokens).
     out = s.run([("a", random_ids(130, VOCAB, 3)), ("c", random_ids(33, VOCAB, 4))])
     assert out.cp_applied and out.mode == ("graph" if graphs else "eager"), out.eager_reason
-    s.run([("b", random_ids(9, VOCAB, 5))])                     # a short chunk (unsharded under zigzag)
+    s.run([("b", random_ids(9, VOCAB, 5))])                     # a short chunk over a prefix
     used = engine.stats()["kv_pages_used_per_rank"]
     assert sum(used) == 18 + 4 + 3 and max(used) - min(used) <= len(s.history)   # a 280, b 54, c 33
     assert engine.stats()["kv_prefix_gathered_bytes"] > 0
@@ -131,7 +131,8 @@ def test_sharded_cache_matches_hf(checkpoint, engines, oracle, cp, strategy):
 
 def test_sharded_with_attention_tp2_matches_hf(checkpoint, engines, oracle):
     """--tp 4 --attn-cp-size 2: each CP group of one attention-TP rank shards its heads' pages."""
-    engine = engines.get(checkpoint, **sharded(2, "zigzag", cuda_graph_buckets=[64, 128]) | dict(tp_size=4))
+    flags = sharded(2, "zigzag", cuda_graph_buckets=[64, 128]) | dict(tp_size=4)
+    engine = engines.get(checkpoint, **flags)
     s = Session(engine, oracle, checkpoint)
     out = s.run([("a", random_ids(150, VOCAB, 1)), ("b", random_ids(45, VOCAB, 2))])
     out = s.run([("a", random_ids(130, VOCAB, 3))])
@@ -163,15 +164,16 @@ def test_memory_plan_shows_the_group_capacity(checkpoint, engines):
     from graphcp.tools.memory import format_report
     flags = dict(gpu_memory_gib=0.003, mem_fraction_static=0.5, cuda_graph_buckets=[64, 128])
     plain = memory_report(EngineArgs(model_path=checkpoint, **cp_kwargs(2), **flags), "cpu", 0.003)
-    args = EngineArgs(model_path=checkpoint, **sharded(2, "zigzag", **flags) | dict(max_total_tokens=None))
+    derived = sharded(2, "zigzag", **flags) | dict(max_total_tokens=None)
+    args = EngineArgs(model_path=checkpoint, **derived)
     report = memory_report(args, "cpu", 0.003)
     rank, one = report.ranks[0], plain.ranks[0]
     layer_bytes = one.kv_bytes_per_token // 2                  # 2 layers alike
     assert rank.kv_bytes_per_token == one.kv_bytes_per_token + 2 * layer_bytes
-    assert rank.group_kv_tokens == 2 * rank.max_total_tokens and rank.max_context == rank.group_kv_tokens
+    assert rank.group_kv_tokens == 2 * rank.max_total_tokens == rank.max_context
     assert rank.max_total_tokens < one.max_total_tokens      # 2 layers: the scratch is a whole pool
     assert f"the group holds {rank.group_kv_tokens} tokens" in format_report(report)
-    engine = engines.get(checkpoint, **sharded(2, "zigzag", **flags) | dict(max_total_tokens=None))
+    engine = engines.get(checkpoint, **derived)
     pages = -(-rank.max_total_tokens // PAGE)
     assert engine.stats()["kv_tokens_total"] == 2 * pages * PAGE
     # graphcp bench --kv-sharding counts the prefix bytes the engine moves (a fresh engine's pages)
@@ -181,7 +183,8 @@ def test_memory_plan_shows_the_group_capacity(checkpoint, engines):
     engine.prefill([_request("p", 40)])
     moved = (engine.stats()["kv_prefix_gathered_bytes"] - before) // 2          # per layer
     # 7 prefix pages: 4 from the busier owner, from each rank, 512 B/token a layer
-    assert moved == gathered_per_layer(args, 100, 40, layer_bytes(args))["prefix"] == 2 * 4 * PAGE * 512
+    assert moved == gathered_per_layer(args, 100, 40, layer_bytes(args))["prefix"]
+    assert moved == 2 * 4 * PAGE * 512
     engine.release("p")
     bench = report(args, [4096, 65536], 2048, 0.003)
     assert bench["capacity"]["sharded"]["group_tokens"] == rank.group_kv_tokens
@@ -198,6 +201,7 @@ def test_rollback_gives_every_rank_its_pages_back():
     before = table.tokens_free
     added = table.allocate(["a", "b"], [2 * PAGE, 5 * PAGE])
     table.rollback(["a", "b"], added)
-    assert table.tokens_free == before and "b" not in table.requests and len(table.requests["a"].pages) == 3
+    assert table.tokens_free == before and "b" not in table.requests
+    assert len(table.requests["a"].pages) == 3
     again = table.allocate(["a", "b"], [2 * PAGE, 5 * PAGE])
     assert [x.tolist() for x in again] == [x.tolist() for x in added]

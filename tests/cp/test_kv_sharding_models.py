@@ -1,6 +1,7 @@
-"""KV sequence sharding over MLA caches: Kimi-K2 (dense MLA) at zigzag CP 2 in graphs and GLM-5 (DSA:
-MLA rows and indexer keys, a shared-indexer layer) at interleave CP 2, equal to HF (logits, and the
-latent / RoPE / indexer caches gathered from their owners) in chunked prefill over a sharded prefix."""
+"""KV sequence sharding over MLA caches: Kimi-K2 (dense MLA) at zigzag CP 2 in graphs and GLM-5
+(DSA: MLA rows and indexer keys, a shared-indexer layer) at interleave CP 2, equal to HF (logits,
+and the latent / RoPE / indexer caches gathered from their owners) in chunked prefill over a
+sharded prefix."""
 from __future__ import annotations
 
 import pytest
@@ -46,10 +47,10 @@ def _check(engine, oracle, path: str, batches) -> list:
 
 
 def test_mla_cp2_zigzag_sharded_in_graphs(engines, ckpt_dir):
-    ckpt, twin = write_release(str(ckpt_dir / "kimi-k2-shard"), KIMI_K2, seed=32, num_hidden_layers=2,
-                               n_routed_experts=16)
-    engine = engines.get(ckpt, enable_prefill_cp=True, cp_strategy="zigzag", cuda_graph_buckets=[32],
-                         **SHARDED)
+    ckpt, twin = write_release(str(ckpt_dir / "kimi-k2-shard"), KIMI_K2, seed=32,
+                               num_hidden_layers=2, n_routed_experts=16)
+    engine = engines.get(ckpt, enable_prefill_cp=True, cp_strategy="zigzag",
+                         cuda_graph_buckets=[32], **SHARDED)
     assert engine.stats()["kv_tokens_total"] == 2 * 64
     outs = _check(engine, MLAOracle(), twin, [FIRST, SECOND, THIRD])
     assert [o.mode for o in outs[:2]] == ["graph", "graph"], outs[0].eager_reason
