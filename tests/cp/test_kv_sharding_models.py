@@ -1,14 +1,16 @@
 """KV sequence sharding over MLA caches: Kimi-K2 (dense MLA) at zigzag CP 2 in graphs and GLM-5
 (DSA: MLA rows and indexer keys, a shared-indexer layer) at interleave CP 2, equal to HF (logits,
 and the latent / RoPE / indexer caches gathered from their owners) in chunked prefill over a
-sharded prefix."""
+sharded prefix; and sliding-window layers beside full ones (Qwen3 with ``layer_types``), whose
+window-only caches come back as HF keeps them."""
 from __future__ import annotations
 
 import pytest
 from testkit.dsa_checkpoint import INTERLEAVE, DSAOracle, make_dsa_checkpoint
-from testkit.hf_reference import rel_err
+from testkit.engines import cp_kwargs
+from testkit.hf_reference import make_checkpoint, rel_err
 from testkit.mla_checkpoint import KIMI_K2, MLAOracle, write_release
-from testkit.parity import TOL, random_ids
+from testkit.parity import TOL, Session, random_ids
 
 from graphcp import Request
 
@@ -65,6 +67,22 @@ def test_dsa_cp2_interleave_sharded(engines, ckpt_dir):
     engine = engines.get(path, **INTERLEAVE, **SHARDED)
     outs = _check(engine, DSAOracle(), path, [FIRST, SECOND])
     assert all(o.cp_applied for o in outs)
+    assert engine.stats()["kv_pages_used_per_rank"] == [0, 0]
+
+
+def test_sliding_window_layers_sharded_cp2_zigzag(engines, oracle, ckpt_dir):
+    """Sliding layers gather every row under sharding (no halo-only path): the owners need them."""
+    path = make_checkpoint(str(ckpt_dir / "qwen3-w8-shard"), "qwen3", num_hidden_layers=3,
+                           use_sliding_window=True, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    engine = engines.get(path, **cp_kwargs(2, enable_kv_cache_sharding=True, max_total_tokens=128,
+                                           cuda_graph_buckets=[64]))
+    s = Session(engine, oracle, path)
+    out = s.run([("a", random_ids(70, VOCAB, 1)), ("b", random_ids(30, VOCAB, 2))])
+    assert out.mode == "graph", out.eager_reason
+    s.run([("a", random_ids(90, VOCAB, 3))])            # "a": 160 tokens, past one rank's pool
+    s.release_all()
+    assert engine.collective_counts()["gathered_layers"].get("sliding", 0) == 0
     assert engine.stats()["kv_pages_used_per_rank"] == [0, 0]
 
 
