@@ -49,7 +49,9 @@ def merge(cmd: str, replies: list[Any]) -> Any:
     pipeline stage and attention-TP rank, rank 0's stats with each rank's weight bytes."""
     if cmd == "prefill":
         return _merge_prefill([r for r in replies if r is not None])
-    if cmd == "kv_cache":      # CP ranks hold the same cache, except under LayerSplit (each its own layers)
+    # CP ranks hold the same cache (KV sharding gathers it), except under LayerSplit (each its
+    # own layers)
+    if cmd == "kv_cache":
         return _merge_kv([p for p in replies if p is not None and (p["cp_rank"] == 0 or p["some_layers"])])
     if cmd == "transfer_kv":
         from graphcp.pd.sender import merge_reports
@@ -66,6 +68,8 @@ def merge(cmd: str, replies: list[Any]) -> Any:
         stats["kv_bytes_per_rank"] = [r["kv_bytes"] for r in replies]
         stats["graph_pool_bytes_per_rank"] = [r["graph_pool_bytes"] for r in replies]
         stats["state_bytes_per_rank"] = [r["state_bytes"] for r in replies]   # per-request state
+        if stats.get("kv_sharding"):         # each rank's own pages (KV sharding)
+            stats["kv_pages_used_per_rank"] = [r["kv_pages_used"] for r in replies]
         return stats
     return replies[0]
 

@@ -58,6 +58,7 @@ class EngineArgs:
     disaggregation_transfer_timeout_s: float = 30.0
     disaggregation_bootstrap_port: int | None = None  # SGLang PD: serve SGLang's bootstrap and protocol here
     enable_dsa_cache_layer_split: bool = False       # each CP rank keeps only its layers' KV (prefill, interleave)
+    enable_kv_cache_sharding: bool = False           # each KV page once per CP group (kv/sharding)
     speculative_aux_hidden_layers: tuple[int, ...] | None = None   # EAGLE-3: residual streams to return
     enable_adaptive_cp: bool = False                 # short requests whole on one CP rank, long ones zigzag
     adaptive_cp_threshold: int | None = None         # new tokens from which a request is split (None: model)
@@ -143,6 +144,8 @@ class EngineArgs:
                                   "interleave and --attn-cp-size >= 2")
             if self.pp_size != 1:
                 raise ConfigError("--enable-dsa-cache-layer-split needs --pp 1")
+        if self.enable_kv_cache_sharding:
+            self._check_kv_sharding()
         _check_aux_layers(self.speculative_aux_hidden_layers)
         if self.enable_adaptive_cp and (self.cp_size < 2 or self.cp_strategy != "zigzag"):
             raise ConfigError("--enable-adaptive-cp needs --enable-prefill-cp, --cp-strategy zigzag and "
@@ -151,6 +154,21 @@ class EngineArgs:
             raise ConfigError("--adaptive-cp-threshold must be a token count >= 1 and needs --enable-adaptive-cp")
         if self.capture_plan is not None and not os.path.isfile(self.capture_plan):
             raise ConfigError(f"--capture-plan {self.capture_plan!r} does not exist")
+
+    def _check_kv_sharding(self) -> None:
+        """What ``--enable-kv-cache-sharding`` serves: one CP group per stage, each page once."""
+        flag = "--enable-kv-cache-sharding"
+        if self.cp_size < 2:
+            raise ConfigError(f"{flag} needs --enable-prefill-cp with --attn-cp-size >= 2 (it "
+                              "shards the KV pages over the CP group)")
+        refused = (("--pp > 1", self.pp_size > 1), ("--dp > 1", self.dp_size > 1),
+                   ("--enable-dsa-cache-layer-split", self.enable_dsa_cache_layer_split),
+                   ("--enable-adaptive-cp", self.enable_adaptive_cp),
+                   ("--disaggregation-bootstrap-port (SGLang's PD protocol)",
+                    self.disaggregation_bootstrap_port is not None))
+        for what, bad in refused:
+            if bad:
+                raise ConfigError(f"{flag} does not combine with {what}; drop one of them")
 
     # -- derived ----------------------------------------------------------------------------
     @property
@@ -270,6 +288,9 @@ class EngineArgs:
             help="speak SGLang's PD protocol (SGLang 0.5.23): its bootstrap server listens on this port")
         add("--enable-dsa-cache-layer-split", action="store_true",
             help="each CP rank keeps only its contiguous layers' KV (prefill mode, interleave, PP 1)")
+        add("--enable-kv-cache-sharding", action="store_true",
+            help="store each KV page once per CP group (not on every CP rank): the group holds C x "
+                 "--max-total-tokens (SGLang's flag)")
         add("--enable-adaptive-cp", action="store_true",
             help="per batch: short requests whole on one CP rank (balanced), long ones zigzag")
         add("--adaptive-cp-threshold", type=int, default=d["adaptive_cp_threshold"],

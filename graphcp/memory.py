@@ -17,6 +17,7 @@ from graphcp.distributed.parallel import rank_shards
 from graphcp.errors import ConfigError
 from graphcp.graph.runner import DEFAULT_BUCKETS
 from graphcp.kv.cache import bytes_per_token
+from graphcp.kv.sharding import scratch_bytes_per_token
 from graphcp.kv.sizing import GIB, PoolBudget, context_limit, default_mem_fraction, pool_tokens
 from graphcp.kv.states import state_bytes
 from graphcp.models.config import ModelConfig
@@ -38,6 +39,7 @@ class RankMemory:
     own_max_total_tokens: int       # what this rank alone could hold (0: its budget fails)
     max_total_tokens: int = 0       # the pool every rank gets: the least of them
     max_context: int = 0
+    group_kv_tokens: int = 0        # the CP group's unique KV tokens (C x the pool, KV sharding)
     problem: str | None = None
 
 
@@ -103,6 +105,9 @@ def memory_report(args: EngineArgs, device: str = "cuda",
         per_token = bytes_per_token(cache_parts(cfg, shards.layers, args.attn_tp_size), dtype)
         if args.enable_dsa_cache_layer_split:
             per_token = -(-per_token // args.cp_size)
+        if args.enable_kv_cache_sharding:           # + the scratch layer (kv/sharding.py)
+            per_token += scratch_bytes_per_token(
+                cache_parts(cfg, shards.layers, args.attn_tp_size), dtype, args.cp_size)
         states = state_parts(cfg, shards.layers, args.attn_tp_size)
         slots = args.resolved_max_state_requests + args.max_batch_requests if any(
             states.values()) else 0
@@ -121,9 +126,10 @@ def memory_report(args: EngineArgs, device: str = "cuda",
                 rm.problem = str(e)
         ranks.append(rm)
     agreed = min(r.own_max_total_tokens for r in ranks)
+    group = agreed * (args.cp_size if args.enable_kv_cache_sharding else 1)
     for r in ranks:
-        r.max_total_tokens = agreed
-        r.max_context = context_limit(cfg.max_positions, agreed)
+        r.max_total_tokens, r.group_kv_tokens = agreed, group
+        r.max_context = context_limit(cfg.max_positions, group)
     problem = next((f"rank {r.rank}: {r.problem}" for r in ranks if r.problem), None)
     need = min(cfg.max_positions, MIN_REQUEST)
     if problem is None and agreed < need:

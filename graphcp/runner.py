@@ -351,7 +351,7 @@ class ModelRunner:
                 "attention_kernel_windowed": self.attention.windowed_kernel,
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
-                "adaptive_cp": self.strategy.describe_cost()}
+                "adaptive_cp": self.strategy.describe_cost(), **self.pool.usage(self.planner.pages)}
 
     @property
     def weight_bytes(self) -> int:

@@ -111,8 +111,10 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
                      windowed.name, kernel.name, reason or "failed its check with them")
     dsa = resolve_dsa(args.attention_kernel, device) if "dsa" in needed else None
     split = args.resolved_backend() == "flashattention"
-    # A PD transfer or a layer split reads every cached row: their sliding layers gather everything.
-    halo = args.disaggregation_mode == "null" and not args.enable_dsa_cache_layer_split
+    # A PD transfer, a layer split or KV sharding (the pages' owners) reads every cached row: their
+    # sliding layers gather everything.
+    halo = (args.disaggregation_mode == "null" and not args.enable_dsa_cache_layer_split
+            and not args.enable_kv_cache_sharding)
     return AttentionBackend(cfg, kinds, AttentionKernels(kernel, split, dsa, windowed, reason), atp,
                             halo)
 

@@ -44,6 +44,9 @@ class LayerKind:
     join: Callable[[list[tuple]], tuple] = join_heads      # attention-TP ranks' exports -> one
     # checks its op's Triton kernels at start on CUDA: (choices, config, attention TP, device, dtype)
     probe: Callable | None = None
+    # its op uses the pool through ``write`` / ``part`` / ``prepare`` only: its cache can be
+    # sharded over the CP group (``kv/sharding.py``)
+    shardable: bool = False
 
 
 def _gqa_parts(cfg: ModelConfig, layer: int, attn_tp: int) -> tuple[CachePart, ...]:
@@ -104,14 +107,15 @@ def _linear_join(shards: list[tuple]) -> tuple:
 
 
 KINDS = {
-    "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",)),
+    "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",),
+                     shardable=True),
     "dsa": LayerKind("dsa", DSAAttention, _dsa_parts, _dsa_export, "dsa", ("dsa",),
                      "DSA models run eagerly (indexer top-k and sparse attention, as SGLang)",
-                     heads_split=False),
+                     heads_split=False, shardable=True),
     # Dense MLA: the Triton prefill (checked by its probe) or the torch forms; PD carries its rows
     # as a DSA layer's.
     "mla": LayerKind("mla", MLAAttention, _dsa_parts, _dsa_export, "dsa", (), heads_split=False,
-                     probe=probe_mla),
+                     probe=probe_mla, shardable=True),
     # DeepSeek V4 (attention/deepseek_v4.py): one kind per layer type, one PD kind for all three
     "deepseek_v4_sliding": LayerKind("deepseek_v4_sliding", V4SlidingAttention, v4_parts,
                                      v4_export, "deepseek_v4", (), V4_REASON),

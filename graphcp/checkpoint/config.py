@@ -33,7 +33,20 @@ def check_model_flags(args: EngineArgs, weights: bool = True) -> ModelConfig:
     cfg = read_model_config(args.model_path)
     check_model_fits(args, cfg)
     check_expert_parallel(cfg, args.ep_size)
+    if args.enable_kv_cache_sharding:
+        check_sharded_kinds(cfg)
     family = family_of(cfg)
     if family.check_flags is not None:      # the flags a family restricts further
         family.check_flags(args, cfg)
     return cfg
+
+
+def check_sharded_kinds(cfg) -> None:
+    """``--enable-kv-cache-sharding`` shards paged caches whose ops read them through the pool's
+    hooks (``LayerKind.shardable``); per-request state and compressed caches are not sharded."""
+    from graphcp.attention.kinds import KINDS
+    other = sorted({k for k in cfg.attention_kinds if not (k in KINDS and KINDS[k].shardable)})
+    if other:
+        shardable = ", ".join(name for name, kind in KINDS.items() if kind.shardable)
+        raise ConfigError(f"--enable-kv-cache-sharding shards the paged caches of {shardable} "
+                          f"layers; this model has {', '.join(other)} layers: drop the flag")

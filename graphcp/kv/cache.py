@@ -67,6 +67,10 @@ class PoolHooks:
         """Storage slots of ``layer`` back in the engine's numbering."""
         return slots
 
+    def usage(self, table) -> dict:
+        """Extra ``stats()`` entries of this pool given the page table (KV sharding: its pages)."""
+        return {}
+
 
 class PagedPool(PoolHooks):
     """Every part of every layer of ``parts`` in full; the parts of one name are stacked over the layers

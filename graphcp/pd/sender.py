@@ -6,6 +6,8 @@ stage's layers are split over its CP ranks, which send in parallel; attention-TP
 only the DP group holding the request sends. A layer's parts are the pool's (dense: K and V; DSA: the MLA
 rows and, on indexed layers, the indexer keys). Each rank writes its data, then its part of the slot header
 (tokens written per layer and head): the receiver sees a request whole only when every part has arrived.
+Under KV sharding (``kv/sharding.py``) each CP rank sends the pages it owns of every layer; the CP
+ranks agree that all their pages arrived before each marks its layers' header (one all-reduce).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from graphcp.errors import ConfigError, RequestError, TransferError
 from graphcp.kv.cache import PagedPool
 from graphcp.kv.layer_split import layer_ranges
 from graphcp.kv.pages import RequestKV
+from graphcp.kv.sharding import ShardedPool, local_page, page_owner
 from graphcp.models.config import ModelConfig
 from graphcp.pd.layout import SlotLayout, layout_for, parse_destination
 
@@ -43,6 +46,9 @@ class KVSender:
         self.model = layout_for(model_config, 1, _dtype_name(registered[0].dtype))
         mine = layer_ranges(len(stage_layers), cp_size)[cp_rank]      # the LayerSplit ranges, split or not
         self.layers = range(stage_layers.start + mine.start, stage_layers.start + mine.stop)
+        # the layers whose data this rank sends: its header's, or (sharded) every layer's pages
+        self.sharded = isinstance(pool, ShardedPool)
+        self.data_layers = stage_layers if self.sharded else self.layers
         # Header columns this rank marks: the KV heads of its attention-TP rank (dense), the one MLA row (DSA).
         first = pool.transfer_parts(stage_layers.start)[0]
         columns = _row_bytes(first) * self.model.num_kv_heads // self.model.row_bytes(stage_layers.start, 0)
@@ -58,11 +64,16 @@ class KVSender:
         """Write this rank's layers and heads of ``rid``; returns bytes moved and seconds taken."""
         layout, dest = parse_destination(rid, destination)
         self._check(rid, layout, dest, state.cached_len)
-        if not self.layers:
+        if not self.data_layers:
             return {"bytes": 0, "seconds": 0.0}
         start = time.perf_counter()
         src, dst, lengths = self._writes(layout, dest["data_addr"], state)
-        self.write(rid, dest["session"], src, dst, lengths, "KV pages")
+        if self.sharded:
+            self._write_sharded(rid, dest["session"], src, dst, lengths)
+        else:
+            self.write(rid, dest["session"], src, dst, lengths, "KV pages")
+        if not self.layers:
+            return {"bytes": sum(lengths), "seconds": time.perf_counter() - start}
         self.header.fill_(state.cached_len)
         row = self.header.shape[1] * 8
         marks = [(self.header.data_ptr() + i * row, dest["header_addr"] + layout.header_offset(layer, self.columns[0]))
@@ -84,17 +95,41 @@ class KVSender:
             raise RequestError(f"request {rid!r}: {cached_len} cached tokens exceed destination['max_tokens'] "
                                f"{layout.max_tokens}")
 
+    def _write_sharded(self, rid: str, session: str, src: list, dst: list, lengths: list) -> None:
+        """This rank's pages, then the CP group's agreement that every rank's arrived (a rank whose
+        write failed raises its own error; its peers name it as another rank's)."""
+        error = None
+        try:
+            if src:                     # a short request may have no page on this rank
+                self.write(rid, session, src, dst, lengths, "KV pages")
+        except TransferError as e:
+            error = e
+        pool = self.pool
+        ok = torch.tensor([0 if error else 1], dtype=torch.int64)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=pool.group)
+        if error is not None:
+            raise error
+        if not int(ok):
+            raise TransferError(f"request {rid!r}: another CP rank's write of its KV pages failed; "
+                                "the KV stays cached until released")
+
     def _writes(self, layout: SlotLayout, data_addr: int, state: RequestKV) -> tuple[list, list, list]:
         """(source, target, length) of every write, read in place from the pool's pages; a page of a part
-        is one write when this rank holds the whole row, else one write per token (its heads of the row)."""
+        is one write when this rank holds the whole row, else one write per token (its heads of the
+        row). Sharded: only the pages this rank owns, from their places in its pool."""
         ps, n = self.pool.page_size, state.cached_len
-        pages = np.asarray(state.pages)[:-(-n // ps)].tolist()
+        pages = np.asarray(state.pages)[:-(-n // ps)]
+        index = np.arange(len(pages))
+        if self.sharded:
+            cp, me = self.pool.cp_size, self.pool.cp_rank
+            mine = page_owner(pages, cp) == me
+            index, pages = index[mine], local_page(pages[mine], cp)
         src, dst, lengths = [], [], []
-        for layer in self.layers:
+        for layer in self.data_layers:
             for part, rows in enumerate(self.pool.transfer_parts(layer)):
                 base, local_row = rows.data_ptr(), _row_bytes(rows)
                 whole = local_row == layout.row_bytes(layer, part)
-                for i, page in enumerate(pages):
+                for i, page in zip(index.tolist(), pages.tolist()):
                     tokens = range(i * ps, min(n, (i + 1) * ps))
                     if whole:
                         _append(src, dst, lengths, base + page * ps * local_row,

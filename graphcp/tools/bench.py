@@ -50,6 +50,9 @@ def attention_balance(strategy: str, cp: int, extend_lens: list[int]) -> float:
 
 
 def run(argv: list[str]) -> int:
+    if "--kv-sharding" in argv:          # capacity and gathered bytes with / without KV sharding
+        from graphcp.tools import shard_bench
+        return shard_bench.run([a for a in argv if a != "--kv-sharding"])
     if "--scale" in argv:                # one request from 1K to 64K tokens at CP 1, 2, 4: its own flags
         from graphcp.tools import scale_bench
         return scale_bench.run([a for a in argv if a != "--scale"])
@@ -66,6 +69,10 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--scale", action="store_true",
                         help="instead of the cases: one request at 1K to 64K tokens (128K with --long) at CP 1, 2 "
                              "and 4 beside HF, with a log-log plot (flags: graphcp bench --scale --help)")
+    parser.add_argument("--kv-sharding", action="store_true",
+                        help="instead of the cases: capacity and per-layer gathered bytes with "
+                             "and without --enable-kv-cache-sharding at 4K-64K cached prefixes "
+                             "(flags: graphcp bench --kv-sharding --help)")
     parser.add_argument("--real-model", action="store_true",
                         help="bench the real trained model (SmolLM2-135M-Instruct, GGUF) instead of the random one")
     parser.add_argument("--balance-cp", type=int, default=None,

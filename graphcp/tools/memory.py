@@ -27,6 +27,12 @@ def format_report(report: MemoryReport) -> str:
         lines.append(f"  {r.rank:>4}  {r.weight_bytes / GIB:>11.2f}  {dtypes:<32} "
                      f"{r.kv_bytes_per_token:>10}  {r.state_bytes / GIB:>9.2f}  "
                      f"{r.reserve_bytes / GIB:>11.2f}  {r.max_total_tokens:>11}  {r.max_context:>15}")
+    first = report.ranks[0] if report.ranks else None
+    if first is not None and first.group_kv_tokens != first.max_total_tokens:
+        times = first.group_kv_tokens // max(first.max_total_tokens, 1)
+        lines.append(f"KV cache sharding: each page stored once per CP group; the group holds "
+                     f"{first.group_kv_tokens} tokens ({times} x the pool; KV B/token includes the "
+                     "scratch layer)")
     lines.append("fits" if report.fits else f"does not fit: {report.problem}")
     return "\n".join(lines)
 
