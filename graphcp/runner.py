@@ -31,7 +31,7 @@ from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.protocol import GraphCaptureError, capture_active
 from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
 from graphcp.kernels.registry import KernelChoices
-from graphcp.kernels.resolve import probe_layer_ops
+from graphcp.kernels.resolve import probe_delta_rule, probe_layer_ops
 from graphcp.kv import make_pool
 from graphcp.kv.pages import pages_per_request
 from graphcp.memory import graph_reserve
@@ -60,6 +60,10 @@ class ModelRunner:
             probe_layer_ops(self.kernels, self.device, self.dtype)
             probe_gemm(self.kernels, self.model, self.dtype)
             probe_experts(self.kernels, self.model, self.dtype)
+            if "gated_deltanet" in cfg.attention_kinds:
+                hybrid = cfg.family_config
+                probe_delta_rule(self.kernels, self.device, self.dtype, hybrid.head_k_dim,
+                                 hybrid.head_v_dim)
         layout = make_strategy(args.resolved_cp_strategy, args.cp_size)       # the flags' layout
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
                                          layout.bottom_right_causal)

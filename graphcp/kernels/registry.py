@@ -25,6 +25,7 @@ log = logging.getLogger("graphcp")
 Kernel = Callable[..., torch.Tensor]
 ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "torch")     # --attention-kernel
 TRITON_HEAD_DIMS = (64, 128)
+DELTA_HEAD_DIMS = (16, 32, 64, 128)    # key head dims of the Triton delta rule
 # Relative max error a compiled kernel may show against its torch form at start, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
@@ -91,6 +92,8 @@ class KernelSpec:
                 return why
             if self.op == "attention" and ctx.head_dim not in TRITON_HEAD_DIMS:
                 return f"supports head_dim {TRITON_HEAD_DIMS}, the model has {ctx.head_dim}"
+            if self.op in DELTA_OPS and ctx.head_dim not in DELTA_HEAD_DIMS:
+                return f"supports key head dims {DELTA_HEAD_DIMS}, the model has {ctx.head_dim}"
         if self.name.startswith("flashinfer"):
             fi = importlib.import_module(_FI)
             return fi.unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim, ctx.bottom_right,
@@ -120,7 +123,13 @@ LAYER_KERNELS = {
     "moe_experts": KernelSpec("moe_experts", "triton", _K + "triton_moe", "triton_experts", True),
     "moe_experts_fp8": KernelSpec("moe_experts_fp8", "triton", _K + "triton_moe",
                                   "triton_experts_fp8", True),
+    # Gated DeltaNet's chunked rule and the CP hand-off's state correction (head_dim: dk)
+    "delta_rule": KernelSpec("delta_rule", "triton", _K + "triton_delta_rule",
+                             "triton_delta_rule", True),
+    "delta_state_outputs": KernelSpec("delta_state_outputs", "triton", _K + "triton_delta_rule",
+                                      "triton_state_outputs", True),
 }
+DELTA_OPS = ("delta_rule", "delta_state_outputs")
 
 
 def kernel_fn(name: str, device: torch.device | str | None = None) -> tuple[Kernel, bool]:
@@ -193,12 +202,12 @@ class KernelChoices:
         self.fns: dict[str, Callable | None] = {}
 
     def probe(self, op: str, run: Callable[[Callable], Any], reference: Callable[[], Any],
-              dtype: torch.dtype) -> bool:
+              dtype: torch.dtype, head_dim: int = 0) -> bool:
         """Check the Triton form of layer op ``op`` once (at engine start, eagerly, before any
         capture); it serves from then on only if it agrees, else one warning says why and the torch
         form serves."""
         spec = LAYER_KERNELS[op]
-        reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype))
+        reason = spec.unsupported_reason(KernelContext(torch.device("cuda"), dtype, head_dim))
         fn = None
         if reason is None:
             try:
