@@ -158,6 +158,13 @@ def _check_dims(dk: int, dv: int) -> None:
         f"the Triton delta rule needs value widths a multiple of 16 up to 512, not {dv}"
 
 
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its last dim is contiguous (rows and heads at any strides, e.g. column
+    slices of a packed buffer), else a contiguous copy: the conv's output is column-major, and
+    its strides, which grow with the rows, would specialise the kernels per length."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _precision(v: torch.Tensor) -> str:
     return "ieee" if v.dtype == torch.float32 or v.device.type != "cuda" else "tf32"
 
@@ -167,11 +174,11 @@ def triton_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``delta_rule_torch.gated_delta_rule``: rows q, k [N, H, dk], v [N, H, dv], g and beta
     [N, H]; ``state`` [S, H, dk, dv]. Returns (o [N, H, dv] fp32, zeros on padding rows; final
-    states [S, H, dk, dv] fp32). Any row and head strides; the last dims contiguous."""
+    states [S, H, dk, dv] fp32)."""
     rows, heads, dk = k.shape
     dv = v.shape[-1]
     _check_dims(dk, dv)
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dims must be contiguous"
+    q, k, v, g, beta = (_unit_last(x) for x in (q, k, v, g, beta))
     device, f32 = q.device, torch.float32
     w = torch.empty(rows, heads, dk, dtype=f32, device=device)
     u = torch.empty(rows, heads, dv, dtype=f32, device=device)
@@ -205,7 +212,7 @@ def triton_state_outputs(q_eff: torch.Tensor, state: torch.Tensor, layout: Chunk
     rows, heads, dk = q_eff.shape
     dv = state.shape[-1]
     _check_dims(dk, dv)
-    assert q_eff.stride(-1) == 1, "q_eff's head dim must be contiguous"
+    q_eff = _unit_last(q_eff)
     initial = state.float().contiguous()
     out = torch.zeros(rows, heads, dv, dtype=torch.float32, device=q_eff.device)
     chunks = layout.seq.shape[0]
