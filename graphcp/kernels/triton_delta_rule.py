@@ -22,6 +22,8 @@ exact (IEEE) when the values are fp32, TF32 otherwise (a bf16 model: finer than 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -96,26 +98,24 @@ def _state_kernel(Q, K, W, U, GC, AQK, STARTS, LENS, S0, OUT, SN,
     state = tl.load(S0 + state_at).to(tl.float32)                       # [DK, BV]
     for start in range(0, n, BT):
         ok = start + t < n
-        row = row0 + start
-        out_row = row * heads + h
-        gc = tl.load(GC + out_row + t * heads, mask=ok, other=0.0)
-        g_end = tl.load(GC + out_row + (tl.minimum(n - start, BT) - 1) * heads)
-        w = tl.load(W + out_row * DK + t[:, None] * (heads * DK) + d[None, :], mask=ok[:, None],
-                    other=0.0)
-        u = tl.load(U + out_row * DV + t[:, None] * (heads * DV) + e[None, :], mask=ok[:, None],
-                    other=0.0)
+        rows = row0 + start + t                                             # [BT] int64
+        cells = rows * heads + h                                            # W, U, GC, AQK rows
+        gc = tl.load(GC + cells, mask=ok, other=0.0)
+        g_end = tl.load(GC + (row0 + tl.minimum(n, start + BT) - 1) * heads + h)
+        w = tl.load(W + cells[:, None] * DK + d[None, :], mask=ok[:, None], other=0.0)
+        u = tl.load(U + cells[:, None] * DV + e[None, :], mask=ok[:, None], other=0.0)
         delta = u - tl.dot(w, state, input_precision=PREC)                 # [BT, BV]
-        q = tl.load(Q + row * stride_qn + h * stride_qh + t[:, None] * stride_qn + d[None, :],
+        # Row scalings go on the small [BT, BV] sides, so q and k feed the dots as loaded.
+        q = tl.load(Q + rows[:, None] * stride_qn + h * stride_qh + d[None, :],
                     mask=ok[:, None], other=0.0).to(tl.float32)
-        q = q * (scale * tl.exp(gc))[:, None]
-        scores = tl.load(AQK + out_row * BT + t[:, None] * (heads * BT) + t[None, :],
-                         mask=ok[:, None], other=0.0)
-        o = tl.dot(q, state, input_precision=PREC) + tl.dot(scores, delta, input_precision=PREC)
-        tl.store(OUT + row * stride_on + h * stride_oh + t[:, None] * stride_on + e[None, :], o,
+        scores = tl.load(AQK + cells[:, None] * BT + t[None, :], mask=ok[:, None], other=0.0)
+        o = tl.dot(q, state, input_precision=PREC) * (scale * tl.exp(gc))[:, None]
+        o += tl.dot(scores, delta, input_precision=PREC)
+        tl.store(OUT + rows[:, None] * stride_on + h * stride_oh + e[None, :], o,
                  mask=ok[:, None])
-        k = tl.load(K + row * stride_kn + h * stride_kh + t[:, None] * stride_kn + d[None, :],
+        k = tl.load(K + rows[:, None] * stride_kn + h * stride_kh + d[None, :],
                     mask=ok[:, None], other=0.0).to(tl.float32)
-        k = k * tl.where(ok, tl.exp(g_end - gc), 0.0)[:, None]
+        delta = delta * tl.where(ok, tl.exp(g_end - gc), 0.0)[:, None]     # decay to chunk end
         state = state * tl.exp(g_end) + tl.dot(tl.trans(k), delta, input_precision=PREC)
     tl.store(SN + state_at, state)
 
@@ -144,11 +144,21 @@ def _state_outputs_kernel(QE, S0, CHUNK_ROW, CHUNK_LEN, CHUNK_SEQ, OUT,
                  mask=ok[:, None])
 
 
-def delta_rule_tiles(dk: int, dv: int) -> tuple[int, int]:
-    """(BV, num_warps): value columns per program of the sequential kernel, as wide as 64 where
-    the width allows (the state block [dk, BV] stays in registers), and its warps."""
-    block_v = min(64, dv & -dv)                    # the largest power of two dividing dv, <= 64
-    return block_v, 8 if dk * block_v >= 128 * 64 else 4
+class DeltaTiles(NamedTuple):
+    block_v: int          # value columns per program of the state and state-output kernels
+    num_warps: int        # their warps
+    num_stages: int       # the chunk loop's: 1, as pipelined loads pass sm_90a's shared memory
+    wy_block_v: int       # the WY kernel's value columns per dot (u), and its warps
+    wy_warps: int
+
+
+def delta_rule_tiles(dk: int, dv: int) -> DeltaTiles:
+    """The state block [dk, block_v] stays in registers beside the chunk's [64, dk] q, k and w
+    tiles: at dk 128, 16 value columns and 8 warps fit sm_90a's 255 registers without spills
+    (``profiles/kernel_report.py``); narrower keys take 32 columns on 4 warps."""
+    wide = dk > 64
+    block_v = min(16 if wide else 32, dv & -dv)        # a power of two dividing dv
+    return DeltaTiles(block_v, 8 if wide else 4, 1, min(64, dv & -dv), 8 if dk >= 64 else 4)
 
 
 def _check_dims(dk: int, dv: int) -> None:
@@ -165,8 +175,10 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _precision(v: torch.Tensor) -> str:
-    return "ieee" if v.dtype == torch.float32 or v.device.type != "cuda" else "tf32"
+def _precision(x: torch.Tensor) -> str:
+    """TF32 tensor cores on CUDA (the forms serve 16-bit models there: ``probe_delta_rule``);
+    exact fp32 in the interpreter."""
+    return "tf32" if x.device.type == "cuda" else "ieee"
 
 
 def triton_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -188,20 +200,21 @@ def triton_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     initial = state.float().contiguous()
     final = torch.empty_like(initial)
     seqs, chunks = layout.lens.shape[0], layout.seq.shape[0]
-    block_v, warps = delta_rule_tiles(dk, dv)
-    prec, scale = _precision(v), dk ** -0.5
+    tiles = delta_rule_tiles(dk, dv)
+    prec, scale = _precision(q), dk ** -0.5
     if rows and heads and chunks:
         _wy_kernel[(chunks, heads)](
             q, k, v, g, beta, layout.chunk_row, layout.chunk_len, w, u, gc, scores,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), heads, scale,
-            BT=CHUNK, DK=dk, DV=dv, BV=block_v, PREC=prec, num_warps=4)
+            BT=CHUNK, DK=dk, DV=dv, BV=tiles.wy_block_v, PREC=prec, num_warps=tiles.wy_warps)
     if heads and seqs:
-        _state_kernel[(seqs, heads, dv // block_v)](
+        _state_kernel[(seqs, heads, dv // tiles.block_v)](
             q, k, w, u, gc, scores, layout.seq_start, layout.lens, initial, out, final,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
             initial.stride(0), initial.stride(1), initial.stride(2), heads, scale,
-            BT=CHUNK, DK=dk, DV=dv, BV=block_v, PREC=prec, num_warps=warps)
+            BT=CHUNK, DK=dk, DV=dv, BV=tiles.block_v, PREC=prec, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     return out, final
 
 
@@ -216,14 +229,14 @@ def triton_state_outputs(q_eff: torch.Tensor, state: torch.Tensor, layout: Chunk
     initial = state.float().contiguous()
     out = torch.zeros(rows, heads, dv, dtype=torch.float32, device=q_eff.device)
     chunks = layout.seq.shape[0]
-    block_v, warps = delta_rule_tiles(dk, dv)
+    tiles = delta_rule_tiles(dk, dv)
     if rows and heads and chunks:
-        _state_outputs_kernel[(chunks, heads, dv // block_v)](
+        _state_outputs_kernel[(chunks, heads, dv // tiles.block_v)](
             q_eff, initial, layout.chunk_row, layout.chunk_len, layout.seq, out,
             q_eff.stride(0), q_eff.stride(1), initial.stride(0), initial.stride(1),
             initial.stride(2), out.stride(0), out.stride(1),
-            BT=CHUNK, DK=dk, BV=block_v, PREC=_precision(q_eff), num_warps=warps)
+            BT=CHUNK, DK=dk, BV=tiles.block_v, PREC=_precision(q_eff), num_warps=tiles.num_warps)
     return out
 
 
-__all__ = ["triton_delta_rule", "triton_state_outputs", "delta_rule_tiles"]
+__all__ = ["triton_delta_rule", "triton_state_outputs", "delta_rule_tiles", "DeltaTiles"]
