@@ -226,12 +226,15 @@ def rope(mock) -> Iterator[Case]:
 # Gated DeltaNet (Qwen3-Next / Qwen3.5): key and value head dims 128, 64-step chunks, TF32 dots (the
 # Triton rule serves 16-bit models); value width dv, or dv + dk for the CP hand-off's
 # identity-augmented pass (``block_transition``). No launch argument depends on the batch.
-DELTA_HEADS, DELTA_DK, DELTA_DV = 32, 128, 128
+# (dk, dv): the released models', then the tiny test checkpoints' (a GPU check's engine case).
+DELTA_HEADS, DELTA_DIMS = 32, ((128, 128), (16, 16))
 
 
 def delta_rule(mock) -> Iterator[Case]:
-    f32, heads, dk, chunk = mock(torch.float32), DELTA_HEADS, DELTA_DK, triton_delta_rule.CHUNK
-    for dtype, dv in itertools.product((torch.bfloat16, torch.float16), (DELTA_DV, DELTA_DV + dk)):
+    f32, heads, chunk = mock(torch.float32), DELTA_HEADS, triton_delta_rule.CHUNK
+    for dtype, (dk, dv_model), augmented in itertools.product(
+            (torch.bfloat16, torch.float16), DELTA_DIMS, (False, True)):
+        dv = dv_model + dk if augmented else dv_model
         t = triton_delta_rule.delta_rule_tiles(dk, dv)
         conv = 2 * heads * dk + heads * dv         # v: a column slice of the conv output's rows
         config = {"dtype": _name(dtype), "dk": dk, "dv": dv}
@@ -252,7 +255,7 @@ def delta_rule(mock) -> Iterator[Case]:
                     stride_ss=heads * dk * dv, stride_sh=dk * dv, stride_sk=dv, heads=heads,
                     scale=dk ** -0.5, DV=dv, **sizes),
                {"num_warps": t.num_warps, "num_stages": t.num_stages})
-        if dv == DELTA_DV:              # the CP hand-off's correction: q_eff, fp32 rows of width
+        if not augmented:               # the CP hand-off's correction: q_eff, fp32 rows of width
             yield (config | {"dtype": "float32"}, triton_delta_rule._state_outputs_kernel,
                    dict(QE=f32, S0=f32, CHUNK_ROW=mock(I64), CHUNK_LEN=mock(I64),  # dv + dk
                         CHUNK_SEQ=mock(I64), OUT=f32, stride_qn=heads * (dv + dk),
