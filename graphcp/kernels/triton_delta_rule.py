@@ -54,15 +54,21 @@ def _wy_kernel(Q, K, V, G, BETA, CHUNK_ROW, CHUNK_LEN, W, U, GC, AQK,
         diff = gc[:, None] - gc[None, :]
         lower = t[:, None] > t[None, :]
         kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-        # a = -L, then row by row T - I = -L - L (T - I): rows above i already hold T - I.
-        a = tl.where(lower, -beta[:, None] * kk * tl.exp(tl.where(lower, diff, 0.0)), 0.0)
-        for i in range(1, BT):
-            pick = (t == i)[:, None]
-            row = tl.sum(tl.where(pick, a, 0.0), 0)
-            row = row + tl.sum(row[:, None] * a, 0)
-            a = tl.where(pick, row[None, :], a)
-        inv = a + tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+        strict = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, diff, 0.0)), 0.0)
+        # T = (I + L)^-1 = I - T L, column by column from the last: column j reads only the
+        # final columns right of it. Column j of L is read back as a row of L^T, written to this
+        # chunk's rows of AQK (its scores come later), so every reduction stays within a row.
         out_row = row0 * heads + h                         # W, U, GC, AQK: contiguous [N, H, ...]
+        cols = AQK + out_row * BT + t[None, :] * (heads * BT) + t[:, None]
+        tl.store(cols, strict, mask=ok[None, :])           # L[i, j] at row j, column i
+        tl.debug_barrier()
+        eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+        inv = eye
+        for step in range(2, n + 1):                        # columns n-2 .. 0; the rest are I's
+            j = n - step
+            col_j = tl.load(AQK + out_row * BT + j * (heads * BT) + t, mask=ok, other=0.0)
+            inv = tl.where(t[None, :] == j, eye - tl.sum(inv * col_j[None, :], 1)[:, None], inv)
+        tl.debug_barrier()                                 # every column read before the scores
         w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=PREC)
         tl.store(W + out_row * DK + t[:, None] * (heads * DK) + d[None, :], w, mask=ok[:, None])
         e = tl.arange(0, BV)
