@@ -130,7 +130,7 @@ def test_hybrid_model_with_triton_rule_equals_hf(tmp_path):
 
     choices.fns["delta_rule"] = counted         # the test's count of the layers it served
     gen = torch.Generator().manual_seed(0)
-    a, b, c = (torch.randint(0, 211, (n,), generator=gen).tolist() for n in (100, 37, 5))
+    a, b, c = (torch.randint(0, 211, (n,), generator=gen).tolist() for n in (80, 9, 5))
     cached: dict[str, int] = {}
     logits: dict[str, torch.Tensor] = {}
     for batch in ([("a", a[:70]), ("b", b)], [("a", a[70:]), ("c", c)]):
@@ -148,9 +148,12 @@ def test_hybrid_model_with_triton_rule_equals_hf(tmp_path):
             cached[r] = cached.get(r, 0) + n
             logits[r] = torch.cat([logits[r], part]) if r in logits else part
     assert len(calls) == 2 * len(linear_layers)
+    worst = {"logits": 0.0, "states": 0.0}
     for rid, ids in (("a", a), ("b", b), ("c", c)):
         ref_logits, ref_caches = hf.run(ids)
-        assert rel_err(logits[rid], ref_logits) <= TOL, rid
+        worst["logits"] = max(worst["logits"], rel_err(logits[rid], ref_logits))
         mine = states.request_state(rid)
         for layer in linear_layers:
-            assert rel_err(mine[layer][1], ref_caches[layer][1]) <= TOL, (rid, layer)
+            worst["states"] = max(worst["states"], rel_err(mine[layer][1], ref_caches[layer][1]))
+    print(f"Triton delta rule vs HF, worst rel err: {worst}")
+    assert max(worst.values()) <= TOL, worst
