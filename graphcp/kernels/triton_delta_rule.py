@@ -5,9 +5,9 @@ aten ops over every 64-step chunk.
 Same WY form as the torch code (see its docstring), split by what can run in parallel:
 
 1. ``_wy_kernel``, one program per (chunk, head), every chunk at once: the chunk's cumulative log
-   decay G, T = (I + L)^-1 with L[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t) by forward
-   substitution, w = T (beta exp(G) k), u = T (beta v), and the causal decayed scores
-   exp(G_t - G_s) q_t.k_s (s <= t);
+   decay G, T = (I + L)^-1 with L[t, s] = beta_t exp(G_t - G_s) k_t.k_s (s < t) by substitution
+   (exact fp32 element operations), w = T (beta exp(G) k), u = T (beta v), and the causal decayed
+   scores exp(G_t - G_s) q_t.k_s (s <= t);
 2. ``_state_kernel``, one program per (sequence, head, block of value columns), chunks in order:
    the state block stays in registers; per chunk delta = u - w S, o = exp(G) q S + scores delta,
    S = exp(G_end) S + (exp(G_end - G) k)^T delta. Lengths come from device memory (capturable);
@@ -17,8 +17,9 @@ Same WY form as the torch code (see its docstring), split by what can run in par
 
 Rows are ``ChunkLayout``'s (consecutive sequences, padding rows after; their outputs are zeros).
 No integer argument depends on the batch (lengths and chunk offsets are read from tensors; the
-ints are per-model strides), so a new length never compiles a kernel. Dots take fp32 operands:
-exact (IEEE) when the values are fp32, TF32 otherwise (a bf16 model: finer than its inputs).
+ints are per-model strides and head counts), so a new length never compiles a kernel. Everything
+is fp32; the dots run on TF32 tensor cores on CUDA (so the forms serve 16-bit models, whose values
+are coarser than TF32) and exactly in Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def _wy_kernel(Q, K, V, G, BETA, CHUNK_ROW, CHUNK_LEN, W, U, GC, AQK,
         strict = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, diff, 0.0)), 0.0)
         # T = (I + L)^-1 = I - T L, column by column from the last: column j reads only the
         # final columns right of it. Column j of L is read back as a row of L^T, written to this
-        # chunk's rows of AQK (its scores come later), so every reduction stays within a row.
+        # chunk's rows of AQK (its scores come later): each step reduces along rows of T, with no
+        # row extracted across warps.
         out_row = row0 * heads + h                         # W, U, GC, AQK: contiguous [N, H, ...]
         cols = AQK + out_row * BT + t[None, :] * (heads * BT) + t[:, None]
         tl.store(cols, strict, mask=ok[None, :])           # L[i, j] at row j, column i
@@ -164,7 +166,7 @@ def delta_rule_tiles(dk: int, dv: int) -> DeltaTiles:
     (``profiles/kernel_report.py``); narrower keys take 32 columns on 4 warps."""
     wide = dk > 64
     block_v = min(16 if wide else 32, dv & -dv)        # a power of two dividing dv
-    return DeltaTiles(block_v, 8 if wide else 4, 1, min(64, dv & -dv), 8 if dk >= 64 else 4)
+    return DeltaTiles(block_v, 8 if wide else 4, 1, min(64, dv & -dv), 8)
 
 
 def _check_dims(dk: int, dv: int) -> None:
