@@ -157,3 +157,42 @@ def test_hybrid_model_with_triton_rule_equals_hf(tmp_path):
             worst["states"] = max(worst["states"], rel_err(mine[layer][1], ref_caches[layer][1]))
     print(f"Triton delta rule vs HF, worst rel err: {worst}")
     assert max(worst.values()) <= TOL, worst
+
+
+@torch.no_grad()
+def test_zigzag_op_with_triton_forms_equals_torch_forms(tmp_path):
+    """The CP hand-off op (``linear_cp.py``) on a one-rank gloo group, with the Triton rule (its
+    block maps) and the Triton state correction chosen, against the same op on the torch forms:
+    a fresh batch (a request with an empty late block), then the same requests continued from
+    their pool states."""
+    import torch.distributed as dist
+
+    from graphcp.attention.linear_cp import ZigzagLinearAttention
+    from graphcp.distributed.comm import CPComm
+    path = make_hybrid_checkpoint(str(tmp_path / "qwen3_5"), "qwen3_5", seed=1)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    mixer, h = model.model.layers["0"].linear_attn, model.config.family_config
+    triton_forms, torch_forms = KernelChoices(), KernelChoices()
+    probe_delta_rule(triton_forms, torch.device("cpu"), torch.float32, h.head_k_dim, h.head_v_dim)
+    assert triton_forms.get("delta_state_outputs") is triton_state_outputs
+    batches = [torch.tensor([[30, 40], [5, 0], [64, 13]]), torch.tensor([[9, 9], [20, 21], [1, 0]])]
+    gen, cap = torch.Generator().manual_seed(4), 160
+    inputs = [[torch.randn(cap, h.conv_dim, generator=gen),
+               -0.3 * torch.rand(cap, h.num_v_heads, generator=gen),
+               torch.rand(cap, h.num_v_heads, generator=gen)] for _ in batches]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = []
+        for forms in (triton_forms, torch_forms):
+            slots, outs = StateSlots(model.config, [0]), []
+            for block_lens, rows in zip(batches, inputs):
+                op = ZigzagLinearAttention(slots.states(["a", "b", "c"]), block_lens,
+                                           CPComm(None, 1, 0), cap)
+                with forms.active():
+                    outs.append(op(0, *rows, mixer=mixer))
+            results.append((outs, [slots.request_state(r)[0][1] for r in "abc"]))
+    finally:
+        dist.destroy_process_group()
+    (got, got_states), (want, want_states) = results
+    for a, b in zip(got + got_states, want + want_states):
+        assert rel_err(a, b) <= TOL
