@@ -1,8 +1,8 @@
 """The Triton gated delta rule (used on CUDA) against its torch form, in Triton's interpreter on CPU:
 the chunked rule on consecutive sequences of odd lengths (an empty one, one on the chunk grid,
 padding rows after), with zero and random initial states; the CP hand-off's affine form and state
-correction; the start-up probe; and a hybrid model whose linear layers run the Triton forms, against
-HF transformers."""
+correction; the start-up probe; a hybrid model whose linear layers run the Triton rule, against HF
+transformers; and the zigzag CP op on the Triton forms against the same op on the torch forms."""
 from __future__ import annotations
 
 import os
@@ -48,8 +48,9 @@ def _inputs(dk: int, dv: int, heads: int = 2, seed: int = 0):
     return q, k, v, g, beta, state, layout
 
 
-@pytest.mark.parametrize("dk,dv", [(16, 32), (32, 16)])
-@pytest.mark.parametrize("initial", ["zero", "random"])
+@pytest.mark.parametrize("dk,dv,initial", [(16, 32, "zero"), (16, 32, "random"),
+                                            (32, 16, "zero"), (32, 16, "random"),
+                                            (128, 128, "random")])     # the released dims
 def test_rule_equals_torch_form(dk, dv, initial):
     q, k, v, g, beta, state, layout = _inputs(dk, dv)
     if initial == "zero":
