@@ -1,12 +1,13 @@
 """Every kernel graphcp launches, in one registry, with one rule for choosing and checking them.
 
 A ``KernelSpec`` names an op (``attention``, ``kv_write``, ``dsa``, ``rms_norm``, ``rope``,
-``fp8_gemm``, ``moe_experts``, ``moe_experts_fp8``), an implementation, where its function lives
-(imported on first use, so the engine runs where Triton or flashinfer is absent), whether a CUDA
-graph can hold it, and what it cannot serve. ``check`` is the one start-up test of a compiled kernel
-against its torch form (one tolerance table); ``KernelChoices`` the layer ops whose Triton form
-passed its check on a rank (the runner owns it; models only ask ``chosen``). The choices themselves, with each
-kernel's check inputs, are in ``kernels/resolve.py``.
+``fp8_gemm``, ``moe_experts``, ``moe_experts_fp8``, ``delta_rule``, ``delta_state_outputs``), an
+implementation, where its function lives (imported on first use, so the engine runs where Triton or
+flashinfer is absent), whether a CUDA graph can hold it, and what it cannot serve. ``check`` is the
+one start-up test of a compiled kernel against its torch form (one tolerance table);
+``KernelChoices`` the layer ops whose Triton form passed its check on a rank (the runner owns it;
+models only ask ``chosen``). The choices themselves, with each kernel's check inputs, are in
+``kernels/resolve.py``.
 """
 from __future__ import annotations
 
