@@ -17,7 +17,8 @@ Same WY form as the torch code (see its docstring), split by what can run in par
 
 Rows are ``ChunkLayout``'s (consecutive sequences, padding rows after; their outputs are zeros).
 No integer argument depends on the batch (lengths and chunk offsets are read from tensors; the
-ints are per-model strides and head counts), so a new length never compiles a kernel. Everything
+ints are per-model strides and head counts, the latter unspecialised), so a new length never
+compiles a kernel. Everything
 is fp32; the dots run on TF32 tensor cores on CUDA (so the forms serve 16-bit models, whose values
 are coarser than TF32) and exactly in Triton's interpreter.
 """
@@ -33,7 +34,9 @@ from graphcp.kernels.delta_rule_torch import CHUNK, ChunkLayout
 from graphcp.kernels.registry import DELTA_HEAD_DIMS
 
 
-@triton.jit
+# The head count and the row strides of g and beta (= heads) vary between models but not between
+# batches; unspecialised, the start-up probe (2 heads) compiles the very kernels serving then runs.
+@triton.jit(do_not_specialize=["heads", "stride_gn", "stride_bn"])
 def _wy_kernel(Q, K, V, G, BETA, CHUNK_ROW, CHUNK_LEN, W, U, GC, AQK,
                stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                stride_gn, stride_gh, stride_bn, stride_bh, heads, scale,
@@ -90,7 +93,7 @@ def _wy_kernel(Q, K, V, G, BETA, CHUNK_ROW, CHUNK_LEN, W, U, GC, AQK,
         tl.store(GC + out_row + t * heads, gc, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads"])
 def _state_kernel(Q, K, W, U, GC, AQK, STARTS, LENS, S0, OUT, SN,
                   stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh,
                   stride_ss, stride_sh, stride_sk, heads, scale,
