@@ -15,6 +15,7 @@ import torch
 from graphcp.graph.runner import DEFAULT_BUCKETS
 from graphcp.kernels import (
     triton_attention,
+    triton_delta_rule,
     triton_dsa,
     triton_fp8_gemm,
     triton_kv_write,
@@ -245,3 +246,44 @@ def rope(mock) -> Iterator[Case]:
                     stride_yh=d, stride_ct=d, H=h, HALF=d // 2, BLOCK_D=block_d, BLOCK_H=block_h)
         config = {"dtype": _name(dtype), "block_h": block_h, "block_d": block_d, "num_warps": warps}
         yield config, fn, args, {"num_warps": warps}
+
+
+# Gated DeltaNet (Qwen3-Next / Qwen3.5): key and value head dims 128, 64-step chunks, TF32 dots (the
+# Triton rule serves 16-bit models); value width dv, or dv + dk for the CP hand-off's
+# identity-augmented pass (``block_transition``). No launch argument depends on the batch.
+# (dk, dv): the released models', then the tiny test checkpoints' (a GPU check's engine case).
+DELTA_HEADS, DELTA_DIMS = 32, ((128, 128), (16, 16))
+
+
+def delta_rule(mock) -> Iterator[Case]:
+    f32, heads, chunk = mock(torch.float32), DELTA_HEADS, triton_delta_rule.CHUNK
+    for dtype, (dk, dv_model), augmented in itertools.product(
+            (torch.bfloat16, torch.float16), DELTA_DIMS, (False, True)):
+        dv = dv_model + dk if augmented else dv_model
+        t = triton_delta_rule.delta_rule_tiles(dk, dv)
+        conv = 2 * heads * dk + heads * dv         # v: a column slice of the conv output's rows
+        config = {"dtype": _name(dtype), "dk": dk, "dv": dv}
+        yield (config | {"block_v": t.wy_block_v, "num_warps": t.wy_warps},
+               triton_delta_rule._wy_kernel,
+               dict(Q=f32, K=f32, V=mock(dtype), G=f32, BETA=mock(dtype), CHUNK_ROW=mock(I64),
+                    CHUNK_LEN=mock(I64), W=f32, U=f32, GC=f32, AQK=f32, stride_qn=heads * dk,
+                    stride_qh=dk, stride_kn=heads * dk, stride_kh=dk, stride_vn=conv,
+                    stride_vh=dv, stride_gn=heads, stride_gh=1, stride_bn=heads, stride_bh=1,
+                    heads=heads, scale=dk ** -0.5, BT=chunk, DK=dk, DV=dv, BV=t.wy_block_v,
+                    PREC="tf32"), {"num_warps": t.wy_warps})
+        sizes = dict(BT=chunk, DK=dk, BV=t.block_v, PREC="tf32")
+        config |= {"block_v": t.block_v, "num_warps": t.num_warps, "num_stages": t.num_stages}
+        yield (config, triton_delta_rule._state_kernel,
+               dict(Q=f32, K=f32, W=f32, U=f32, GC=f32, AQK=f32, STARTS=mock(I64),
+                    LENS=mock(I64), S0=f32, OUT=f32, SN=f32, stride_qn=heads * dk, stride_qh=dk,
+                    stride_kn=heads * dk, stride_kh=dk, stride_on=heads * dv, stride_oh=dv,
+                    stride_ss=heads * dk * dv, stride_sh=dk * dv, stride_sk=dv, heads=heads,
+                    scale=dk ** -0.5, DV=dv, **sizes),
+               {"num_warps": t.num_warps, "num_stages": t.num_stages})
+        if not augmented:               # the CP hand-off's correction: q_eff, fp32 rows of width
+            yield (config | {"dtype": "float32"}, triton_delta_rule._state_outputs_kernel,
+                   dict(QE=f32, S0=f32, CHUNK_ROW=mock(I64), CHUNK_LEN=mock(I64),  # dv + dk
+                        CHUNK_SEQ=mock(I64), OUT=f32, stride_qn=heads * (dv + dk),
+                        stride_qh=dv + dk, stride_ss=heads * dk * dv, stride_sh=dk * dv,
+                        stride_sk=dv, stride_on=heads * dv, stride_oh=dv, **sizes),
+                   {"num_warps": t.num_warps})

@@ -44,6 +44,7 @@ from profiles import kernel_cases  # noqa: E402
 
 FAMILIES = ("attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
             "mla_prefill", "rmsnorm", "rope")
+FAMILIES += ("delta_rule",)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from graphcp.attention.linear_op import CONV, RECURRENT
 from graphcp.attention.mla import MLAAttention, probe_mla
 from graphcp.attention.op import PagedAttention
 from graphcp.errors import ConfigError
+from graphcp.kernels.resolve import probe_delta_rule
 from graphcp.kv.cache import CachePart, LayerParts
 from graphcp.models.config import ModelConfig
 from graphcp.models.deepseek.config import MLAConfig
@@ -106,6 +107,11 @@ def _linear_join(shards: list[tuple]) -> tuple:
     return window, torch.cat([state for _, state in shards])
 
 
+def _probe_linear(choices, cfg: ModelConfig, attn_tp: int, device, dtype) -> None:
+    hybrid = cfg.family_config       # the Triton delta rule at the model's key / value head dims
+    probe_delta_rule(choices, device, dtype, hybrid.head_k_dim, hybrid.head_v_dim)
+
+
 KINDS = {
     "gqa": LayerKind("gqa", PagedAttention, _gqa_parts, _gqa_export, "mha", ("attention",),
                      shardable=True),
@@ -125,7 +131,7 @@ KINDS = {
                                  "deepseek_v4", ("dsa",), V4_REASON),
     "gated_deltanet": LayerKind("gated_deltanet", linear_attention, lambda cfg, layer, tp: (),
                                 _linear_export, "gated_deltanet", (), state=_linear_state,
-                                join=_linear_join),
+                                join=_linear_join, probe=_probe_linear),
 }
 
 

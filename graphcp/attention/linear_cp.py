@@ -7,7 +7,7 @@ rows ordered early blocks of every request, then late blocks. Per linear layer:
    order from the request's cached window gives the window entering each block (and the final one);
 2. each rank runs the conv and, from a zero state, the delta rule over its own blocks: per block the
    affine map S_end = A S_start + B and the outputs o = o_zero + q_eff S_start
-   (graphcp/models/delta_rule.py ``block_transition``);
+   (graphcp/kernels/delta_rule_torch.py ``block_transition``);
 3. one all-gather of (A, B) for every block; every rank scans the 2C blocks of each request in order
    from its cached state, which gives each block's true initial state and the request's final state;
 4. outputs are corrected: o = o_zero + q_eff S_start.
@@ -27,10 +27,16 @@ from __future__ import annotations
 import torch
 
 from graphcp.attention.context import AttentionContext
-from graphcp.attention.linear_op import LocalLinearAttention, RequestStates, SequenceMixer, chunk_layout
+from graphcp.attention.linear_op import (
+    LocalLinearAttention,
+    RequestStates,
+    SequenceMixer,
+    chunk_layout,
+    delta_rule_forms,
+)
 from graphcp.distributed.comm import CPComm, all_gather_into
 from graphcp.graph.protocol import graph_break
-from graphcp.kernels.delta_rule_torch import block_transition, causal_conv, last_inputs, state_outputs
+from graphcp.kernels.delta_rule_torch import block_transition, causal_conv, last_inputs
 
 
 def gathered_index(block_lens: torch.Tensor) -> torch.Tensor:
@@ -111,7 +117,8 @@ class ZigzagLinearAttention:
         mine = torch.cat([entering[:, rank], entering[:, late]])         # local row order
         conv_out, _ = causal_conv(mixed_qkv, mine, mixer.conv_weight, lens)
         q, k, v = (t[0] for t in mixer.heads(conv_out[None]))
-        o_zero, q_eff, trans, offset = block_transition(q, k, v, g, beta, self.layout)
+        rule, state_outputs = delta_rule_forms()
+        o_zero, q_eff, trans, offset = block_transition(q, k, v, g, beta, self.layout, rule)
         dv = offset.shape[-1]
         maps = self._gather(torch.cat([trans, offset], -1))              # one exchange for both
         starts, final_state = scan_states(state, maps[..., :-dv], maps[..., -dv:])

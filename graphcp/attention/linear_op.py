@@ -14,12 +14,19 @@ inside a captured graph segment; only the CP collectives are breaks where they c
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from graphcp.graph.protocol import capture_active
-from graphcp.kernels.delta_rule_torch import ChunkLayout, causal_conv, chunk_count, gated_delta_rule
+from graphcp.kernels.delta_rule_torch import (
+    ChunkLayout,
+    causal_conv,
+    chunk_count,
+    gated_delta_rule,
+    state_outputs,
+)
+from graphcp.kernels.registry import chosen
 from graphcp.kv.states import NO_STATE, StatePool
 
 CONV, RECURRENT = "conv", "recurrent"      # a linear layer's per-request parts (attention/kinds.py)
@@ -68,6 +75,12 @@ def chunk_layout(lens: torch.Tensor, rows: int) -> ChunkLayout:
     return ChunkLayout(lens, rows, chunk_count(lens, rows, static=capture_active()))
 
 
+def delta_rule_forms() -> tuple[Callable, Callable]:
+    """(the chunked rule, ``state_outputs``): each one's Triton form where this rank's start-up
+    check accepted it (CUDA, ``resolve.probe_delta_rule``), else the torch form (CPU)."""
+    return chosen("delta_rule") or gated_delta_rule, chosen("delta_state_outputs") or state_outputs
+
+
 def run_sequences(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   mixer: SequenceMixer, layout: ChunkLayout, window: torch.Tensor,
                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,7 +89,7 @@ def run_sequences(mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     (outputs [N, Hv, dv] fp32, zeros on padding rows; final windows; final states)."""
     conv_out, window = causal_conv(mixed_qkv, window, mixer.conv_weight, layout.lens)
     q, k, v = (t[0] for t in mixer.heads(conv_out[None]))
-    o, state = gated_delta_rule(q, k, v, g, beta, state, layout)
+    o, state = delta_rule_forms()[0](q, k, v, g, beta, state, layout)
     return o, window, state
 
 

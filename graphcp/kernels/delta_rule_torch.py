@@ -16,6 +16,8 @@ returns A (the decay included) and B, and the outputs as o = o_zero + q_eff S_st
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -86,8 +88,9 @@ class ChunkLayout:
             max=lens.shape[0] - 1)                                           # [chunks]
         steps = (index - first[self.seq])[:, None] * CHUNK + torch.arange(CHUNK, device=device)
         self.valid = steps < lens[self.seq][:, None]                         # [chunks, CHUNK]
-        self.source = ((torch.cumsum(lens, 0) - lens)[self.seq][:, None] + steps).clamp(
-            0, max(rows - 1, 0))
+        self.seq_start = torch.cumsum(lens, 0) - lens                       # [S] first rows
+        self.source = (self.seq_start[self.seq][:, None] + steps).clamp(0, max(rows - 1, 0))
+        self.chunk_row, self.chunk_len = self.source[:, 0].contiguous(), self.valid.sum(1)
         self.starts = (index == first[self.seq]) & (per[self.seq] > 0)      # a sequence's first
         self.last = (first + per - 1).clamp(min=0)                           # [S]
         seq, row_start, self.row_valid = _row_sequences(lens, rows)
@@ -157,29 +160,31 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def block_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, layout: ChunkLayout) -> tuple[torch.Tensor, ...]:
-    """Each sequence as an affine map of its initial state, from one zero-state pass.
+                     beta: torch.Tensor, layout: ChunkLayout, rule: Callable = gated_delta_rule
+                     ) -> tuple[torch.Tensor, ...]:
+    """Each sequence as an affine map of its initial state, from one zero-state pass of ``rule``
+    (``gated_delta_rule`` or its Triton form).
 
-    Returns (o_zero [N, H, dv], q_eff [H, chunks, CHUNK, dk] in chunk space, A [S, H, dk, dk],
-    B [S, H, dk, dv]) with, for any initial states S0: outputs = o_zero + ``state_outputs(q_eff,
-    S0)`` and final states = A @ S0 + B. The rule acts on each value column alone, so dk extra
-    zero-value columns started from the identity carry A (and, as their outputs, q_eff) through
-    the same pass."""
+    Returns (o_zero [N, H, dv], q_eff [N, H, dk], A [S, H, dk, dk], B [S, H, dk, dv]) with, for any
+    initial states S0: outputs = o_zero + ``state_outputs(q_eff, S0)`` and final states = A @ S0 +
+    B. The rule acts on each value column alone, so dk extra zero-value columns started from the
+    identity carry A (and, as their outputs, q_eff) through the same pass."""
     heads, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
     seqs = layout.lens.shape[0]
-    v_aug = torch.cat([v.float(), v.new_zeros(v.shape[:2] + (dk,), dtype=torch.float32)], -1)
+    v_aug = torch.cat([v, v.new_zeros(v.shape[:2] + (dk,))], -1)       # v's dtype: exact
     eye = torch.eye(dk, device=v.device).expand(seqs, heads, dk, dk)
     start = torch.cat([eye.new_zeros(seqs, heads, dk, dv), eye], -1)
-    out, final = _chunked_rule(q, k, v_aug, g, beta, start, layout)
-    o_zero = layout.to_rows(out[..., :dv].permute(1, 2, 0, 3))
-    return o_zero, out[..., dv:], final[..., dv:], final[..., :dv]
+    out, final = rule(q, k, v_aug, g, beta, start, layout)
+    return out[..., :dv], out[..., dv:], final[..., dv:], final[..., :dv]
 
 
 def state_outputs(q_eff: torch.Tensor, state: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """q_eff @ S0 per row [N, H, dv]: what initial states ``state`` [S, H, dk, dv] add to the
-    zero-state outputs, one matmul per chunk (its sequence's state; no per-row copy of a state)."""
+    zero-state outputs of rows q_eff [N, H, dk], one matmul per chunk (its sequence's state; no
+    per-row copy of a state)."""
+    chunked = layout.to_chunks(q_eff).permute(2, 0, 1, 3)                # [H, chunks, CHUNK, dk]
     initial = state.float().transpose(0, 1)                                # [H, S, dk, dv]
-    out = [q_eff[:, i] @ initial.index_select(1, layout.seq[i:i + 1])[:, 0]
+    out = [chunked[:, i] @ initial.index_select(1, layout.seq[i:i + 1])[:, 0]
            for i in range(layout.seq.shape[0])]
     return layout.to_rows(torch.stack(out, 1).permute(1, 2, 0, 3))
 

@@ -1,12 +1,13 @@
 """Every kernel graphcp launches, in one registry, with one rule for choosing and checking them.
 
 A ``KernelSpec`` names an op (``attention``, ``kv_write``, ``dsa``, ``rms_norm``, ``rope``,
-``fp8_gemm``, ``moe_experts``, ``moe_experts_fp8``), an implementation, where its function lives
-(imported on first use, so the engine runs where Triton or flashinfer is absent), whether a CUDA
-graph can hold it, and what it cannot serve. ``check`` is the one start-up test of a compiled kernel
-against its torch form (one tolerance table); ``KernelChoices`` the layer ops whose Triton form
-passed its check on a rank (the runner owns it; models only ask ``chosen``). The choices themselves, with each
-kernel's check inputs, are in ``kernels/resolve.py``.
+``fp8_gemm``, ``moe_experts``, ``moe_experts_fp8``, ``delta_rule``, ``delta_state_outputs``), an
+implementation, where its function lives (imported on first use, so the engine runs where Triton or
+flashinfer is absent), whether a CUDA graph can hold it, and what it cannot serve. ``check`` is the
+one start-up test of a compiled kernel against its torch form (one tolerance table);
+``KernelChoices`` the layer ops whose Triton form passed its check on a rank (the runner owns it;
+models only ask ``chosen``). The choices themselves, with each kernel's check inputs, are in
+``kernels/resolve.py``.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ ATTENTION_CHOICES = ("auto", "flashinfer", "triton", "torch")     # --attention-
 # 192 -> 256), so every supported family's full attention runs in it on CUDA
 TRITON_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 MLA_MAX_LATENT = 512            # the MLA prefill's [rows, latent] accumulator (kernel report)
+DELTA_HEAD_DIMS = (16, 32, 64, 128)    # key head dims of the Triton delta rule
 # Relative max error a compiled kernel may show against its torch form at start, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 3e-2}
 
@@ -97,6 +99,8 @@ class KernelSpec:
             if self.op == "mla_prefill" and ctx.head_dim > MLA_MAX_LATENT:
                 return (f"holds a latent row of at most {MLA_MAX_LATENT} in registers, the model "
                         f"has kv_lora_rank {ctx.head_dim}")
+            if self.op in DELTA_OPS and ctx.head_dim not in DELTA_HEAD_DIMS:
+                return f"supports key head dims {DELTA_HEAD_DIMS}, the model has {ctx.head_dim}"
         if self.name.startswith("flashinfer"):
             fi = importlib.import_module(_FI)
             return fi.unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim, ctx.bottom_right,
@@ -129,7 +133,13 @@ LAYER_KERNELS = {
     "moe_experts": KernelSpec("moe_experts", "triton", _K + "triton_moe", "triton_experts", True),
     "moe_experts_fp8": KernelSpec("moe_experts_fp8", "triton", _K + "triton_moe",
                                   "triton_experts_fp8", True),
+    # Gated DeltaNet's chunked rule and the CP hand-off's state correction (head_dim: dk)
+    "delta_rule": KernelSpec("delta_rule", "triton", _K + "triton_delta_rule",
+                             "triton_delta_rule", True),
+    "delta_state_outputs": KernelSpec("delta_state_outputs", "triton", _K + "triton_delta_rule",
+                                      "triton_state_outputs", True),
 }
+DELTA_OPS = ("delta_rule", "delta_state_outputs")
 
 
 def kernel_fn(name: str, device: torch.device | str | None = None) -> tuple[Kernel, bool]:

@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 
 from graphcp.errors import ConfigError
-from graphcp.kernels import dsa_torch
+from graphcp.kernels import delta_rule_torch, dsa_torch
 from graphcp.kernels.registry import KERNELS, KernelChoices, KernelContext, KernelSpec, check, triton_unusable
 from graphcp.kernels.torch_layers import rms_norm_torch, rope_torch
 from graphcp.kernels.torch_ref import torch_paged_attention
@@ -75,6 +75,36 @@ def probe_layer_ops(choices: KernelChoices, device: torch.device, dtype: torch.d
         return tuple(pools)
 
     choices.probe("kv_write", write, lambda: write(None), dtype)
+
+
+def probe_delta_rule(choices: KernelChoices, device: torch.device, dtype: torch.dtype,
+                     head_k_dim: int, head_v_dim: int) -> None:
+    """The Triton delta rule (the one-rank call and the CP hand-off's identity-augmented one) and
+    its state correction, each once against the torch form at the model's head dims: three
+    sequences of 70, 0 and 9 steps from random states, padding rows after; eagerly, at start, on
+    CUDA, for models with Gated DeltaNet layers. Their dots run in TF32, so they serve 16-bit
+    models; an fp32 model (a reference run) keeps the exact torch forms."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return
+    gen, heads, sizes = torch.Generator().manual_seed(0), 2, [70, 0, 9]
+    rows = sum(sizes) + 5
+    q, k = (delta_rule_torch.l2norm(_rand(gen, device, torch.float32, rows, heads, head_k_dim))
+            for _ in range(2))
+    v = _rand(gen, device, dtype, rows, heads, head_v_dim)
+    g = -0.3 * torch.rand(rows, heads, generator=gen).to(device)
+    beta = torch.rand(rows, heads, generator=gen).to(device, dtype)
+    state = _rand(gen, device, torch.float32, 3, heads, head_k_dim, head_v_dim)
+    layout = delta_rule_torch.ChunkLayout(torch.tensor(sizes, device=device), rows, 4)
+
+    def rule(fn) -> tuple[torch.Tensor, ...]:
+        return (*fn(q, k, v, g, beta, state, layout),
+                *delta_rule_torch.block_transition(q, k, v, g, beta, layout, fn))
+
+    choices.probe("delta_rule", rule, lambda: rule(delta_rule_torch.gated_delta_rule), dtype,
+                  head_k_dim)
+    q_eff = _rand(gen, device, torch.float32, rows, heads, head_k_dim)
+    choices.probe("delta_state_outputs", lambda fn: fn(q_eff, state, layout),
+                  lambda: delta_rule_torch.state_outputs(q_eff, state, layout), dtype, head_k_dim)
 
 
 def _dsa_errors(kernels: ModuleType, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -165,4 +195,4 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
     return "torch"
 
 
-__all__ = ["check_attention", "probe_layer_ops", "resolve_kernel", "resolve_dsa"]
+__all__ = ["check_attention", "probe_delta_rule", "probe_layer_ops", "resolve_kernel", "resolve_dsa"]

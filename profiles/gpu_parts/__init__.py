@@ -2,9 +2,9 @@
 first.
 
 f shows whether graph breaks read stale inputs from a dirty pool, a and c whether the kernels and
-the graphs are right at all, d whether CP is; g and e check the DSA, MoE and FP8 kernels; b only
-measures. Each part runs in its own process under its own time budget (seconds on the GPU, and on a
-dry run).
+the graphs are right at all, d whether CP is; g and e check the DSA, MoE and FP8 kernels, h the
+Gated DeltaNet rule; b only measures. Each part runs in its own process under its own time budget
+(seconds on the GPU, and on a dry run).
 """
 from __future__ import annotations
 
@@ -27,5 +27,6 @@ class Part:
 # wide (about 40 s in all on an idle 2-core machine, 4 minutes on a crowded one): a CI run is not cut.
 PARTS = (Part("f", "dirty_pool", 50, 90), Part("a", "kernels", 70, 60),
          Part("c", "model", 130, 180), Part("d", "cp", 75, 180), Part("g", "dsa_moe", 35, 45),
-         Part("e", "fp8", 35, 45), Part("b", "attention_perf", 45, 5, needs_cuda=True))
+         Part("e", "fp8", 35, 45), Part("h", "delta_rule", 40, 60),
+         Part("b", "attention_perf", 45, 5, needs_cuda=True))
 PART_KEYS = "".join(p.key for p in PARTS)

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
             "mla_prefill", "rmsnorm", "rope"}
+FAMILIES |= {"delta_rule"}
 FIELDS = {"family", "kernel", "config", "ptx", "registers", "spill_store_bytes", "spill_load_bytes",
           "shared_bytes"}
 
@@ -72,3 +73,7 @@ def test_configs_come_from_the_tile_functions(report):
     gemm = {(c["block_m"], c["block_n"]) for c in configs["fp8_gemm"]
             if c["kernel"] == "_fp8_gemm_kernel"}
     assert gemm == {gemm_tiles(m)[:2] for m in DEFAULT_BUCKETS["cuda"]} | {gemm_tiles(65536)[:2]}
+    from graphcp.kernels.triton_delta_rule import delta_rule_tiles
+    release = delta_rule_tiles(128, 128)         # Qwen3-Next / Qwen3.5's linear heads
+    assert {(c["block_v"], c["num_warps"]) for c in configs["delta_rule"]
+            if c["kernel"] == "_state_kernel" and c["dk"] == 128} == {release[:2]}
