@@ -149,3 +149,22 @@ def test_families_route_their_experts_through_the_grouped_gemm():
     assert plain.biases()[0] is plain.gate_up_proj_bias
     quantized = GptOssExperts(config_from_dict(tiny_config(1), "test"), 0, ep)
     assert quantized.quantized and not quantized.triton_form
+
+
+def test_traffic_load_counts_on_device_without_host_reads(monkeypatch):
+    """The expert load accumulates in a device tensor: counting reads nothing back to the host
+    (``tolist``/``item``/``bool`` raise while it counts); the stats read it once."""
+    from graphcp.distributed.moe_comm import MoETraffic
+
+    traffic = MoETraffic(ep_size=3, experts_per_rank=2)
+    ids = torch.tensor([[0, 5], [1, 2], [4, 4]])
+    with monkeypatch.context() as patch:
+        for name in ("tolist", "item", "__bool__", "__int__"):
+            patch.setattr(torch.Tensor, name, lambda *a, _name=name: pytest.fail(f"host {_name}"))
+        traffic.add_load(ids, torch.tensor([1, 0, 1]))                 # row 1 is padding
+        traffic.add_load(ids.reshape(-1), torch.tensor([1, 1, 0, 0, 1, 0]))    # pairs, one copy
+        traffic.add_load(ids)
+    assert traffic.load.dtype == torch.int64
+    # rank of each expert: 0->0, 5->2, 1->0, 2->1, 4->2
+    assert traffic.as_dict()["pairs_per_ep_rank"] == [1 + 1 + 2, 0 + 0 + 1, 3 + 2 + 3]
+    assert MoETraffic(2, 4).as_dict()["pairs_per_ep_rank"] == [0, 0]
