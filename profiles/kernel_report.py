@@ -42,8 +42,8 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from profiles import kernel_cases  # noqa: E402
 
-FAMILIES = ("attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
-            "rmsnorm", "rope")
+FAMILIES = ("attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "moe_gated", "dsa_index",
+            "dsa_mla", "rmsnorm", "rope")
 
 
 @dataclass

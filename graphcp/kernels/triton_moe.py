@@ -59,6 +59,9 @@ def _grouped_gemm_kernel(A, ROWS, W, B, OUT, TILE_EXPERT, K, N, stride_am, strid
     w_ptr = (W + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
              + offs_k[None, :] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:        # the accumulator starts at the bias: nothing extra stays live in the loop
+        bias = tl.load(B + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptr, mask=live[:, None] & k_ok[None, :], other=0.0)
@@ -66,9 +69,6 @@ def _grouped_gemm_kernel(A, ROWS, W, B, OUT, TILE_EXPERT, K, N, stride_am, strid
         acc += tl.dot(a, tl.trans(w), input_precision=PREC)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        bias = tl.load(B + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=n_ok[None, :])
 
 
@@ -150,6 +150,9 @@ def _fp8_grouped_gemm_kernel(XQ, XS, ROWS, W, WS, WROWS, B, OUT, TILE_EXPERT, N,
              + (rk - k_offset)[None, :])                                        # [BLOCK_N, BLOCK_K]
     ws_ptr = WS + expert.to(tl.int64) * stride_se + w_rows * stride_sr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:        # the accumulator starts at the bias: nothing extra stays live in the loop
+        bias = tl.load(B + expert.to(tl.int64) * stride_be + rn, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     for kb in range(num_kb):
         cols = kb * BLOCK_K - k_offset + rk
         w_ok = n_ok[:, None] & ((cols >= 0) & (cols < K))[None, :]
@@ -162,9 +165,6 @@ def _fp8_grouped_gemm_kernel(XQ, XS, ROWS, W, WS, WROWS, B, OUT, TILE_EXPERT, N,
         xs_ptr += stride_xs
         w_ptr += BLOCK_K
         ws_ptr += 1
-    if HAS_BIAS:
-        bias = tl.load(B + expert.to(tl.int64) * stride_be + rn, mask=n_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
     if OUT.dtype.element_ty == tl.bfloat16:
         acc = _round_bf16(acc)
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=n_ok[None, :])

@@ -14,8 +14,8 @@ from testkit.paths import REPO
 
 triton = pytest.importorskip("triton")
 
-FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
-            "rmsnorm", "rope"}
+FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "moe_gated", "dsa_index",
+            "dsa_mla", "rmsnorm", "rope"}
 FIELDS = {"family", "kernel", "config", "ptx", "registers", "spill_store_bytes", "spill_load_bytes",
           "shared_bytes"}
 
