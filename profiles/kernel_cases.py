@@ -164,8 +164,9 @@ def moe_gated(mock) -> Iterator[Case]:
         sliced = inter // etp
         block, warps = triton_moe.activation_tiles(sliced)
         x = mock(dtype)
-        args = dict(H=x, OUT=x, inter=sliced, stride_h=2 * sliced, stride_o=sliced, limit=10.0,
-                    alpha=1.702, up_shift=1.0, CLAMP=clamp, BLOCK=block, WIDE=wide)
+        args = dict(H=x, OUT=x, TILE_EXPERT=mock(I64), inter=sliced, stride_h=2 * sliced,
+                    stride_o=sliced, limit=10.0, alpha=1.702, up_shift=1.0, CLAMP=clamp,
+                    BLOCK_M=16, BLOCK=block, WIDE=wide)
         yield ({"dtype": _name(dtype), "block": block, "num_warps": warps, "clamp": clamp,
                 "wide": wide}, gating, args, {"num_warps": warps})
     plain, fp8_fn = triton_moe._grouped_gemm_kernel, triton_moe._fp8_grouped_gemm_kernel

@@ -234,12 +234,16 @@ def sort_by_expert(ids: torch.Tensor, first: int, num_local: int,
 
 
 @triton.jit
-def _gated_activation_kernel(H, OUT, inter, stride_h, stride_o, limit, alpha, up_shift,
-                             CLAMP: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def _gated_activation_kernel(H, OUT, TILE_EXPERT, inter, stride_h, stride_o, limit, alpha,
+                             up_shift, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """OUT[r, :inter] = the gating of H[r, :inter] (gate) and H[r, inter:] (up), in fp32 and rounded
     once: g * sigmoid(alpha g) * (u + up_shift), g and u clamped to ``limit`` when CLAMP
-    (``moe_torch.GatedActivation``). Padding rows hold zeros and stay finite."""
+    (``moe_torch.GatedActivation``). Rows of a padding tile (TILE_EXPERT[r / BLOCK_M] < 0) are
+    left unwritten: the down projection's padding tiles never read them (under EP most tiles)."""
     row = tl.program_id(0)
+    if tl.load(TILE_EXPERT + row // BLOCK_M) < 0:
+        return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     row = row.to(tl.int64) if WIDE else row
@@ -261,17 +265,20 @@ def activation_tiles(inter: int) -> tuple[int, int]:
     return block, 4 if block <= 512 else 8
 
 
-def gated_activation(h: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
-    """h [cap, 2 I] (gate columns, then up) -> [cap, I] in h's dtype."""
+def gated_activation(h: torch.Tensor, activation: GatedActivation,
+                     tile_expert: torch.Tensor) -> torch.Tensor:
+    """h [cap, 2 I] (gate columns, then up), tile_expert [cap / BLOCK_M] -> [cap, I] in h's dtype,
+    rows of padding tiles unwritten."""
     cap, inter = h.shape[0], h.shape[1] // 2
     out = h.new_empty((cap, inter))
     block, warps = activation_tiles(inter)
     limit = activation.limit
     if cap and inter:
         _gated_activation_kernel[(cap, triton.cdiv(inter, block))](
-            h, out, inter, h.stride(0), out.stride(0), float(limit or 0.0),
+            h, out, tile_expert, inter, h.stride(0), out.stride(0), float(limit or 0.0),
             float(activation.alpha), float(activation.up_shift), CLAMP=limit is not None,
-            BLOCK=block, WIDE=needs_int64(h, out), num_warps=warps)
+            BLOCK_M=cap // tile_expert.shape[0], BLOCK=block, WIDE=needs_int64(h, out),
+            num_warps=warps)
     return out
 
 
@@ -299,7 +306,7 @@ def run_experts(gemm: Callable, x: torch.Tensor, ids: torch.Tensor, weights: tor
     rows = torch.where(live, pair // k, row_pair)
     gate_up_bias, down_bias = biases
     h = gemm(x, rows, gate_up, tile_expert, gate_up_bias)
-    act = gated_activation(h, activation)
+    act = gated_activation(h, activation, tile_expert)
     same = torch.where(live, torch.arange(rows.shape[0], device=x.device), row_pair)
     y = gemm(act, same, down, tile_expert, down_bias)
     scale = weights.reshape(-1).index_select(0, pair) * live.to(weights.dtype)
