@@ -158,19 +158,21 @@ def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids
                       weights: torch.Tensor, valid: torch.Tensor,
                       experts: Callable) -> torch.Tensor:
     with nvtx_range("moe_all_to_all"):
-        k, etp = ids.shape[1], comm.expert_tp
-        real = torch.nonzero(valid).reshape(-1)
-        rows = real.repeat_interleave(k * etp)
-        expert = ids.index_select(0, real).reshape(-1).repeat_interleave(etp)
-        weight = weights.index_select(0, real).reshape(-1).repeat_interleave(etp)
-        peer = torch.arange(etp, device=x.device).repeat(real.numel() * k)
-        dest = expert // comm.experts_per_rank * etp + peer
+        k, etp, n = ids.shape[1], comm.expert_tp, ids.shape[0]
+        rows = torch.arange(n, device=x.device).repeat_interleave(k * etp)
+        expert = ids.reshape(-1).repeat_interleave(etp)
+        weight = weights.reshape(-1).repeat_interleave(etp)
+        peer = torch.arange(etp, device=x.device).repeat(n * k)
+        # padding rows' pairs sort past every rank and are cut once the counts are on the host
+        dest = torch.where(valid.index_select(0, rows) != 0,
+                           expert // comm.experts_per_rank * etp + peer, comm.tp_size)
         order = torch.argsort(dest, stable=True)
-        rows, expert, weight, dest = rows[order], expert[order], weight[order], dest[order]
-        send_counts = torch.bincount(dest, minlength=comm.tp_size)
+        send_counts = torch.bincount(dest, minlength=comm.tp_size + 1)[:comm.tp_size]
         recv_counts = torch.empty_like(send_counts)
         _all_to_all(recv_counts, send_counts, None, None, comm.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+        send, recv = send_counts.tolist(), recv_counts.tolist()     # the layer's one host sync
+        order = order[:sum(send)]
+        rows, expert, weight, peer = rows[order], expert[order], weight[order], peer[order]
         send_x = x.index_select(0, rows)
         recv_x = x.new_empty((sum(recv), x.shape[1]))
         _all_to_all(recv_x, send_x, recv, send, comm.group)
@@ -179,7 +181,7 @@ def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids
         y = experts(recv_x, recv_expert[:, None], recv_x.new_ones((recv_x.shape[0], 1)))
         back = x.new_empty(send_x.shape)
         _all_to_all(back, y, send, recv, comm.group)
-        _count(comm, peer[order] == 0, send, recv, send_x, expert, y)
+        _count(comm, peer == 0, send, recv, send_x, expert, y)
         out.zero_()
         return out.index_add_(0, rows, back * weight[:, None])
 
