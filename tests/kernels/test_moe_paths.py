@@ -154,6 +154,19 @@ def test_families_route_their_experts_through_the_grouped_gemm():
     assert plain.biases()[0] is plain.gate_up_proj_bias
     quantized = GptOssExperts(config_from_dict(tiny_config(1), "test"), 0, ep)
     assert quantized.quantized and not quantized.triton_form
+    # what Experts.forward hands the kernel on CUDA equals the module's own torch form (its
+    # per-expert weights and biases, transformers' gating), here on CPU in the interpreter
+    gen = torch.Generator().manual_seed(5)
+    for experts in (v4, plain):
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        x = torch.randn(11, experts.gate_up_proj.shape[-1], generator=gen) * 2
+        ids, weights = _routing(11, experts.num_experts, 2, gen)
+        got = triton_moe.triton_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                                        experts.first, activation=experts.activation,
+                                        biases=experts.biases())
+        assert _rel(got, experts(x, ids, weights)) <= 1e-5
 
 
 def test_traffic_load_counts_on_device_without_host_reads(monkeypatch):
