@@ -117,9 +117,9 @@ def moe(mock) -> Iterator[Case]:
         block_m = triton_moe.moe_row_tile(rows * topk / experts)
         for n, k in ((2 * inter, hidden), (hidden, inter)):            # gate_up, then down
             t = triton_moe.moe_tiles(n, k)
-            args = dict(A=x, ROWS=mock(I64), W=x, OUT=x, TILE_EXPERT=mock(I64), K=k, N=n,
-                        stride_am=k, stride_we=n * k, stride_wn=k, stride_wk=1, stride_om=n,
-                        BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=t[1],
+            args = dict(A=x, ROWS=mock(I64), W=x, B=x, OUT=x, TILE_EXPERT=mock(I64), K=k, N=n,
+                        stride_am=k, stride_we=n * k, stride_wn=k, stride_wk=1, stride_be=0,
+                        stride_om=n, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=t[1],
                         PREC="ieee" if dtype == torch.float32 else "tf32", WIDE=wide)
             config = dict(zip(("block_n", "block_k", "num_warps", "num_stages"), t))
             yield ({"dtype": _name(dtype), "block_m": block_m, **config, "wide": wide}, fn, args,
@@ -145,14 +145,60 @@ def moe_fp8(mock) -> Iterator[Case]:
             t = triton_moe.moe_fp8_tiles(block_m)
             kb = -(-(k + k_offset) // bk)
             args = dict(XQ=fp8, XS=f32, ROWS=mock(I64), W=fp8, WS=f32, WROWS=mock(torch.int32),
-                        OUT=mock(dtype), TILE_EXPERT=mock(I64), N=n, K=k, k_offset=k_offset,
-                        num_kb=kb, stride_xq=kb * bk, stride_xs=a_rows, stride_we=n * k,
-                        stride_wn=k, stride_se=-(-n // bk) * kb, stride_sr=kb, stride_om=n,
-                        BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=bk, WIDE=wide)
+                        B=mock(dtype), OUT=mock(dtype), TILE_EXPERT=mock(I64), N=n, K=k,
+                        k_offset=k_offset, num_kb=kb, stride_xq=kb * bk, stride_xs=a_rows,
+                        stride_we=n * k, stride_wn=k, stride_se=-(-n // bk) * kb, stride_sr=kb,
+                        stride_be=0, stride_om=n, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=bk, WIDE=wide)
             config = dict(zip(("block_n", "num_warps", "num_stages"), t))
             yield ({"dtype": _name(dtype), "proj": proj, "k_offset": k_offset,
                     "block_m": block_m, **config, "wide": wide}, fn, args,
                    {"num_warps": t[1], "num_stages": t[2]})
+
+
+# -- MoE gating (issue 39): the gating launch between the projections (SiLU, V4's and gpt-oss's
+# clamps) and the grouped GEMMs' per-expert bias epilogue (gpt-oss), plain and FP8.
+# (hidden, moe_intermediate, experts, top-k): DeepSeek-V4-Flash, gpt-oss-120b and -20b.
+GATED_MOE_SHAPES = ((4096, 2048, 256, 6), (2880, 2880, 128, 4), (2880, 2880, 32, 4))
+
+
+def moe_gated(mock) -> Iterator[Case]:
+    gating = triton_moe._gated_activation_kernel
+    for dtype, (_, inter, _, _), etp, clamp, wide in itertools.product(
+            (torch.bfloat16, torch.float32), GATED_MOE_SHAPES + MOE_SHAPES, EXPERT_TP,
+            (False, True), (False, True)):
+        sliced = inter // etp
+        block, warps = triton_moe.activation_tiles(sliced)
+        x = mock(dtype)
+        args = dict(H=x, OUT=x, TILE_EXPERT=mock(I64), inter=sliced, stride_h=2 * sliced,
+                    stride_o=sliced, limit=10.0, alpha=1.702, up_shift=1.0, CLAMP=clamp,
+                    BLOCK_M=16, BLOCK=block, WIDE=wide)
+        yield ({"dtype": _name(dtype), "block": block, "num_warps": warps, "clamp": clamp,
+                "wide": wide}, gating, args, {"num_warps": warps})
+    plain, fp8_fn = triton_moe._grouped_gemm_kernel, triton_moe._fp8_grouped_gemm_kernel
+    fp8, f32, bk = mock(torch.float8_e4m3fn), mock(torch.float32), FP8_MOE_BLOCK[1]
+    for dtype, (hidden, inter, experts, topk), rows in itertools.product(
+            (torch.bfloat16, torch.float32), GATED_MOE_SHAPES, ROWS):
+        x = mock(dtype)
+        block_m = triton_moe.moe_row_tile(rows * topk / experts)
+        for n, k in ((2 * inter, hidden), (hidden, inter)):            # gate_up, then down
+            t = triton_moe.moe_tiles(n, k)
+            args = dict(A=x, ROWS=mock(I64), W=x, B=x, OUT=x, TILE_EXPERT=mock(I64), K=k, N=n,
+                        stride_am=k, stride_we=n * k, stride_wn=k, stride_wk=1, stride_be=n,
+                        stride_om=n, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=t[1],
+                        PREC="ieee" if dtype == torch.float32 else "tf32", WIDE=False)
+            config = dict(zip(("block_n", "block_k", "num_warps", "num_stages"), t))
+            yield ({"dtype": _name(dtype), "bias": True, "block_m": block_m, **config}, plain,
+                   args, {"num_warps": t[2], "num_stages": t[3]})
+            t = triton_moe.moe_fp8_tiles(block_m)
+            kb = -(-k // bk)
+            args = dict(XQ=fp8, XS=f32, ROWS=mock(I64), W=fp8, WS=f32, WROWS=mock(torch.int32),
+                        B=x, OUT=x, TILE_EXPERT=mock(I64), N=n, K=k, k_offset=0, num_kb=kb,
+                        stride_xq=kb * bk, stride_xs=rows, stride_we=n * k, stride_wn=k,
+                        stride_se=-(-n // bk) * kb, stride_sr=kb, stride_be=n, stride_om=n,
+                        HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=t[0], BLOCK_K=bk, WIDE=False)
+            config = dict(zip(("block_n", "num_warps", "num_stages"), t))
+            yield ({"dtype": _name(dtype), "bias": True, "block_m": block_m, **config}, fp8_fn,
+                   args, {"num_warps": t[1], "num_stages": t[2]})
 
 
 DSA_INDEX = ((32, 128), (64, 128))    # (indexer heads, index_head_dim): GLM-5, DeepSeek-V3.2

@@ -42,9 +42,8 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 from profiles import kernel_cases  # noqa: E402
 
-FAMILIES = ("attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
-            "mla_prefill", "rmsnorm", "rope")
-FAMILIES += ("delta_rule",)
+FAMILIES = ("attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "moe_gated", "dsa_index",
+            "dsa_mla", "mla_prefill", "delta_rule", "rmsnorm", "rope")
 
 
 @dataclass

@@ -17,6 +17,8 @@ indexer's ``index_topk`` best) in one softmax with the per-head sinks. The windo
 batch and the top-k have data-dependent shapes: V4 layers run eagerly, as DSA's."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from graphcp.attention.context import AttentionContext
@@ -90,44 +92,69 @@ class V4SlidingAttention:
         pool, dim = self.pool, q.shape[-1]
         kv = pool.part(layer, "kv")
         window_slots = pool.map_slots(layer, self.window_slots)
-        entry_slots, limits, keys = None, None, self.window
+        entry_slots, limits, keys, scored = None, None, self.window, None
         if compressors:
             rate = compressors[0].rate
             entry_slots = pool.map_slots(layer, self.seq_slots[:, rate - 1::rate].contiguous())
             limits = (self.meta.positions + 1) // rate * self.meta.valid
             entries = pool.part(layer, self.compressed[0][1])
             keys += min(entry_slots.shape[1], self.topk) if index else entry_slots.shape[1]
-        step = max(1, CHUNK_ELEMENTS // (keys * dim))
-        if index is not None:
-            scored = max(1, entry_slots.shape[1] * index[0].shape[-1])
-            step = min(step, max(1, CHUNK_ELEMENTS // scored))
+            scored = (entry_slots.shape[1], index[0].shape[-1]) if index else None
+        step, score_step, attend_step = v4_row_chunks(self.ctx.kernels.dsa.row_chunk, keys, dim,
+                                                      scored)
         out = []
         with nvtx_range("attention"):
             for start in range(0, q.shape[0], step):
-                rows = slice(start, start + step)
-                gathered, seen = kv[window_slots[rows]], self.window_seen[rows]
+                rows = slice(start, min(start + step, q.shape[0]))
                 if compressors:
-                    chosen, shown = self._entries(layer, rows, entry_slots, limits, index)
-                    gathered = torch.cat([gathered, entries[chosen]], dim=1)
-                    seen = torch.cat([seen, shown], dim=1)
-                out.append(attend_with_sinks(q[rows], gathered, seen, sinks, scale))
+                    chosen, shown = self._entries(layer, rows, entry_slots, limits, index,
+                                                  score_step)
+                for sub in range(rows.start, rows.stop, attend_step):
+                    part = slice(sub, min(sub + attend_step, rows.stop))
+                    gathered, seen = kv[window_slots[part]], self.window_seen[part]
+                    if compressors:
+                        mine = slice(part.start - start, part.stop - start)
+                        gathered = torch.cat([gathered, entries[chosen[mine]]], dim=1)
+                        seen = torch.cat([seen, shown[mine]], dim=1)
+                    out.append(attend_with_sinks(q[part], gathered, seen, sinks, scale))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _entries(self, layer: int, rows: slice, entry_slots: torch.Tensor, limits: torch.Tensor,
-                 index: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 index: tuple | None, score_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The entry slots each query row attends and which of them it may see: every closed window
-        (HCA), or the indexer's top-k of them (CSA)."""
-        seq, limit = self.row_seq[rows], limits[rows]
+        (HCA), or the indexer's top-k of them (CSA), scored ``score_step`` rows a call."""
         if index is None:
+            seq, limit = self.row_seq[rows], limits[rows]
             count = entry_slots.shape[1]
             shown = torch.arange(count, device=limit.device)[None, :] < limit[:, None]
             return entry_slots.index_select(0, seq), shown
         index_q, weights = index
+        keys, parts = self.pool.part(layer, "index_k"), []
         with nvtx_range("v4_indexer"):
-            keys = self.pool.part(layer, "index_k")
-            scores = self.ctx.kernels.dsa.indexer_scores(index_q[rows], weights[rows], keys,
-                                                         entry_slots, seq, limit)
-            return select_topk(scores, entry_slots, seq, limit, self.topk)
+            for start in range(rows.start, rows.stop, score_step):
+                part = slice(start, min(start + score_step, rows.stop))
+                seq, limit = self.row_seq[part], limits[part]
+                scores = self.ctx.kernels.dsa.indexer_scores(index_q[part], weights[part], keys,
+                                                             entry_slots, seq, limit)
+                parts.append(select_topk(scores, entry_slots, seq, limit, self.topk))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def v4_row_chunks(scoring_chunk: Callable[[int, int], int], keys: int, dim: int,
+                  scored: tuple[int, int] | None) -> tuple[int, int, int]:
+    """(rows per step, per indexer call, per attention call). The torch attention gathers
+    [rows, keys, dim]: CHUNK_ELEMENTS of them a call. The indexer's calls are sized by the kernel
+    that scores (``scoring_chunk(entries, index_dim)``, the DSA kernels' ``row_chunk``): the torch
+    form gathers [rows, entries, index_dim], the Triton kernel only writes [rows, entries] scores,
+    so at 32K entries it takes 512 rows a call where the torch form takes 4. A step covers the
+    larger of the two, so neither loop runs more calls than its own size needs."""
+    attend = max(1, CHUNK_ELEMENTS // (keys * dim))
+    if scored is None:
+        return attend, attend, attend
+    score = max(1, scoring_chunk(*scored))
+    return max(attend, score), score, attend
 
 
 class V4HCAAttention(V4SlidingAttention):

@@ -43,27 +43,42 @@ class MoETraffic:
     bytes per collective (sent to other ranks), MoE layer calls, and the (row, expert) pairs of
     this rank's real rows per EP rank (the expert load). Counted in eager forwards; a graph replay
     runs no Python outside its breaks, so there only the all-to-all (a break) counts. ``graphcp
-    bench`` measures eager forwards."""
+    bench`` measures eager forwards.
+
+    Byte counts come from shapes (host ints); the expert load accumulates in a device tensor, read
+    only when the stats are asked (``as_dict``), so counting never syncs the host."""
 
     def __init__(self, ep_size: int, experts_per_rank: int) -> None:
-        self.experts_per_rank = experts_per_rank
+        self.ep_size, self.experts_per_rank = ep_size, experts_per_rank
         self.bytes: dict[str, int] = {}
         self.layer_calls = 0
-        self.pairs_per_ep_rank = [0] * ep_size
+        self.load: torch.Tensor | None = None     # [ep_size] int64 pairs, on the ids' device
         self.pairs_sent = 0      # all_to_all: pairs dispatched (real rows x top-k x expert TP)
 
     def add_bytes(self, name: str, nbytes: int) -> None:
         self.bytes[name] = self.bytes.get(name, 0) + int(nbytes)
 
-    def add_load(self, ids: torch.Tensor) -> None:
-        """ids [pairs] of real rows' routed experts."""
-        per_rank = torch.bincount(ids.reshape(-1) // self.experts_per_rank,
-                                  minlength=len(self.pairs_per_ep_rank))
-        self.pairs_per_ep_rank = [a + b for a, b in zip(self.pairs_per_ep_rank, per_rank.tolist())]
+    def add_load(self, ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """ids [rows, k] (or [pairs]) routed experts; keep [rows] (or [pairs]): nonzero where the
+        row counts (a real row, one copy of a pair), None: every row."""
+        ranks = (ids // self.experts_per_rank).reshape(-1)
+        if keep is None:
+            counted = torch.ones_like(ranks)
+        else:
+            keep = keep[:, None].expand_as(ids) if ids.dim() == 2 else keep
+            counted = (keep != 0).reshape(-1).to(ranks.dtype)
+        if self.load is None or self.load.device != ranks.device:
+            self.load = torch.zeros(self.ep_size, dtype=torch.long, device=ranks.device)
+        self.load.scatter_add_(0, ranks, counted)
+
+    @property
+    def pairs_per_ep_rank(self) -> list[int]:
+        """The expert load per EP rank (one host read)."""
+        return [0] * self.ep_size if self.load is None else self.load.tolist()
 
     def as_dict(self) -> dict:
         return {"bytes": dict(self.bytes), "layer_calls": self.layer_calls,
-                "pairs_per_ep_rank": list(self.pairs_per_ep_rank), "pairs_sent": self.pairs_sent}
+                "pairs_per_ep_rank": self.pairs_per_ep_rank, "pairs_sent": self.pairs_sent}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -97,9 +112,7 @@ class GatherScatterMoE:
         # every block but my own leaves this rank.
         t.add_bytes("reduce_scatter", _nbytes(partial) * layout.attn_tp_size * others)
         if self.counts_load:
-            valid = current_valid_rows()
-            mine = ids[layout.block * rows:(layout.block + 1) * rows]
-            t.add_load(mine if valid is None else mine[valid.bool()])
+            t.add_load(ids[layout.block * rows:(layout.block + 1) * rows], current_valid_rows())
 
 
 class AllToAllMoE:
@@ -145,19 +158,21 @@ def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids
                       weights: torch.Tensor, valid: torch.Tensor,
                       experts: Callable) -> torch.Tensor:
     with nvtx_range("moe_all_to_all"):
-        k, etp = ids.shape[1], comm.expert_tp
-        real = torch.nonzero(valid).reshape(-1)
-        rows = real.repeat_interleave(k * etp)
-        expert = ids.index_select(0, real).reshape(-1).repeat_interleave(etp)
-        weight = weights.index_select(0, real).reshape(-1).repeat_interleave(etp)
-        peer = torch.arange(etp, device=x.device).repeat(real.numel() * k)
-        dest = expert // comm.experts_per_rank * etp + peer
+        k, etp, n = ids.shape[1], comm.expert_tp, ids.shape[0]
+        rows = torch.arange(n, device=x.device).repeat_interleave(k * etp)
+        expert = ids.reshape(-1).repeat_interleave(etp)
+        weight = weights.reshape(-1).repeat_interleave(etp)
+        peer = torch.arange(etp, device=x.device).repeat(n * k)
+        # padding rows' pairs sort past every rank and are cut once the counts are on the host
+        dest = torch.where(valid.index_select(0, rows) != 0,
+                           expert // comm.experts_per_rank * etp + peer, comm.tp_size)
         order = torch.argsort(dest, stable=True)
-        rows, expert, weight, dest = rows[order], expert[order], weight[order], dest[order]
-        send_counts = torch.bincount(dest, minlength=comm.tp_size)
+        send_counts = torch.bincount(dest, minlength=comm.tp_size + 1)[:comm.tp_size]
         recv_counts = torch.empty_like(send_counts)
         _all_to_all(recv_counts, send_counts, None, None, comm.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+        send, recv = send_counts.tolist(), recv_counts.tolist()     # the layer's one host sync
+        order = order[:sum(send)]
+        rows, expert, weight, peer = rows[order], expert[order], weight[order], peer[order]
         send_x = x.index_select(0, rows)
         recv_x = x.new_empty((sum(recv), x.shape[1]))
         _all_to_all(recv_x, send_x, recv, send, comm.group)
@@ -166,14 +181,15 @@ def _dispatch_combine(comm: AllToAllMoE, out: torch.Tensor, x: torch.Tensor, ids
         y = experts(recv_x, recv_expert[:, None], recv_x.new_ones((recv_x.shape[0], 1)))
         back = x.new_empty(send_x.shape)
         _all_to_all(back, y, send, recv, comm.group)
-        _count(comm, expert[peer[order] == 0], send, recv, send_x, expert, y)
+        _count(comm, peer == 0, send, recv, send_x, expert, y)
         out.zero_()
         return out.index_add_(0, rows, back * weight[:, None])
 
 
-def _count(comm: AllToAllMoE, routed: torch.Tensor, send: list[int], recv: list[int],
+def _count(comm: AllToAllMoE, first_copy: torch.Tensor, send: list[int], recv: list[int],
            send_x: torch.Tensor, expert: torch.Tensor, y: torch.Tensor) -> None:
-    """Bytes that left this rank (rows to itself stay): counts, rows and ids out, outputs back."""
+    """Bytes that left this rank (rows to itself stay): counts, rows and ids out, outputs back;
+    the load of each pair once (``first_copy``: expert-TP rank 0's copy), on the device."""
     t, me = comm.traffic, comm.tp_rank
     t.layer_calls += 1
     t.pairs_sent += send_x.shape[0]
@@ -181,7 +197,7 @@ def _count(comm: AllToAllMoE, routed: torch.Tensor, send: list[int], recv: list[
     t.add_bytes("all_to_all_dispatch", (sum(send) - send[me]) * (row + expert.element_size())
                 + 8 * (comm.tp_size - 1))
     t.add_bytes("all_to_all_combine", (sum(recv) - recv[me]) * y.shape[1] * y.element_size())
-    t.add_load(routed)
+    t.add_load(expert, first_copy)
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,

@@ -28,7 +28,8 @@ def row_chunk(keys: int, width: int) -> int:
     return max(1, dsa_torch.CHUNK_ELEMENTS // keys)
 
 
-@triton.jit
+# Key counts (and strides equal to them) follow the batch: never specialized on their value.
+@triton.jit(do_not_specialize=["num_keys", "stride_sb", "stride_ob"])
 def _indexer_kernel(Q, W, KEYS, SLOTS, ROW_SEQ, LIMITS, OUT, heads, dim, num_keys, scale,
                     stride_qb, stride_qh, stride_wb, stride_ks, stride_sb, stride_ob,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -87,7 +88,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Ten
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_sel", "stride_sb", "stride_vb"])
 def _sparse_mla_kernel(Q, KV, SEL, VIS, OUT, heads, latent, rope, num_sel, head_blocks, scale,
                        stride_qb, stride_qh, stride_kvs, stride_sb, stride_vb, stride_ob, stride_oh,
                        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,

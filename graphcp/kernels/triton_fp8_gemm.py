@@ -37,7 +37,9 @@ def _round_e4m3(v):
     return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
-@triton.jit
+# Row counts (and the scales' stride, which is one) follow the batch: never specialized on their
+# value, so a new batch size compiles nothing.
+@triton.jit(do_not_specialize=["M", "stride_xs"])
 def _act_quant_kernel(
     X,
     XQ,
@@ -70,7 +72,7 @@ def _act_quant_kernel(
     tl.store(XS + kb * stride_xs + rows, scale, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_xs"])
 def _fp8_gemm_kernel(
     XQ,
     XS,

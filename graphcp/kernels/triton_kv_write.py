@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])     # the token count follows the batch
 def _kv_write_kernel(
     KP, VP, SLOTS, K, V,
     stride_kps, stride_kph, stride_kpd,

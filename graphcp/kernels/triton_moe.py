@@ -6,7 +6,15 @@ these kernels' oracles). Plain weights run ``grouped_gemm``; FP8 experts as load
 Every step is a device tensor op whose shape is fixed by the row count, so the whole path can be
 captured in a CUDA graph: each expert's rows are padded to a multiple of the row tile BLOCK_M
 (capacity ``pairs + experts x (BLOCK_M - 1)``; BLOCK_M follows the pairs per expert, a shape), so
-every tile belongs to one expert; tiles past the last expert are masked off.
+every tile belongs to one expert; tiles past the last expert (all padding) write zeros and return
+before reading a weight. Between the projections one launch applies the experts' gating
+(``moe_torch.GatedActivation``: SiLU, V4's and gpt-oss's clamped SwiGLU), and per-expert biases
+(gpt-oss) are added in the GEMMs' epilogue, so every family's experts compute only their routed
+(row, expert) pairs.
+
+Integer arguments that follow the batch (row counts, and strides equal to them) are not specialized
+(``do_not_specialize``): a new batch size never compiles a kernel. Widths fixed by the model (N, K)
+keep Triton's divisibility hints, which vectorize the K loads; they compile once, at warmup.
 """
 from __future__ import annotations
 
@@ -17,33 +25,43 @@ import triton
 import triton.language as tl
 
 from graphcp.kernels.fp8_types import Fp8Experts
+from graphcp.kernels.moe_torch import NO_BIASES, SILU, Biases, GatedActivation
 from graphcp.kernels.triton_fp8_gemm import quantize_activations_triton
 from graphcp.kernels.triton_util import needs_int64
 
 
 @triton.jit
-def _grouped_gemm_kernel(A, ROWS, W, OUT, TILE_EXPERT, K, N, stride_am, stride_we, stride_wn,
-                         stride_wk, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
-    """OUT[r] = A[ROWS[r]] @ W[e].T for the rows r of tile t, e = TILE_EXPERT[t]; rows with
-    ROWS < 0 and tiles with e < 0 write zeros. Row offsets are int32 unless A or OUT spans 2**31
-    elements (WIDE); the expert's base offset is int64 (all experts together may pass 2**31)."""
+def _grouped_gemm_kernel(A, ROWS, W, B, OUT, TILE_EXPERT, K, N, stride_am, stride_we, stride_wn,
+                         stride_wk, stride_be, stride_om, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PREC: tl.constexpr, WIDE: tl.constexpr):
+    """OUT[r] = A[ROWS[r]] @ W[e].T (+ B[e]) for the rows r of tile t, e = TILE_EXPERT[t]; rows
+    with ROWS < 0 write zeros (or the bias); a padding tile (e < 0) writes zeros at once, reading
+    no weight. Row offsets are int32 unless A or OUT spans 2**31 elements (WIDE); the expert's base
+    offset is int64 (all experts together may pass 2**31)."""
     tile = tl.program_id(0)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
+    offs_out = offs_m.to(tl.int64) if WIDE else offs_m
+    out = OUT + offs_out[:, None] * stride_om + offs_n[None, :]
     expert = tl.load(TILE_EXPERT + tile)
+    if expert < 0:
+        tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), dtype=OUT.dtype.element_ty), mask=n_ok[None, :])
+        return
+    offs_k = tl.arange(0, BLOCK_K)
     rows = tl.load(ROWS + offs_m)
-    rows = tl.where(expert >= 0, rows, -1)
     live = rows >= 0
     rows = tl.maximum(rows, 0)
     rows = rows.to(tl.int64) if WIDE else rows.to(tl.int32)
     a_ptr = A + rows[:, None] * stride_am + offs_k[None, :]
     # the expert's [N, K] weight as [BLOCK_N, BLOCK_K] tiles (K contiguous), transposed for the dot
-    w_ptr = (W + tl.maximum(expert, 0).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    w_ptr = (W + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
              + offs_k[None, :] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:        # the accumulator starts at the bias: nothing extra stays live in the loop
+        bias = tl.load(B + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptr, mask=live[:, None] & k_ok[None, :], other=0.0)
@@ -51,8 +69,6 @@ def _grouped_gemm_kernel(A, ROWS, W, OUT, TILE_EXPERT, K, N, stride_am, stride_w
         acc += tl.dot(a, tl.trans(w), input_precision=PREC)
         a_ptr += BLOCK_K
         w_ptr += BLOCK_K * stride_wk
-    offs_out = offs_m.to(tl.int64) if WIDE else offs_m
-    out = OUT + offs_out[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=n_ok[None, :])
 
 
@@ -69,20 +85,23 @@ def moe_tiles(n: int, k: int) -> tuple[int, int, int, int]:
             4, 3)
 
 
-def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
-                 tile_expert: torch.Tensor) -> torch.Tensor:
-    """a [R, K], rows [cap] (a row of ``a`` or -1), w [E, N, K], tile_expert [cap / BLOCK_M]
-    -> [cap, N]; the row tile BLOCK_M is the one ``sort_by_expert`` padded to."""
+def grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [R, K], rows [cap] (a row of ``a`` or -1), w [E, N, K], tile_expert [cap / BLOCK_M],
+    bias [E, N] or None -> [cap, N]; the row tile BLOCK_M is the one ``sort_by_expert`` padded
+    to."""
     a, cap, n, k = a.contiguous(), rows.shape[0], w.shape[1], w.shape[2]
     block_m = cap // tile_expert.shape[0]
     out = a.new_empty((cap, n))
     block_n, block_k, warps, stages = moe_tiles(n, k)
     prec = "ieee" if a.dtype == torch.float32 else "tf32"
     grid = (cap // block_m, triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](a, rows, w, out, tile_expert, k, n, a.stride(0), w.stride(0),
-                               w.stride(1), w.stride(2), out.stride(0), BLOCK_M=block_m,
-                               BLOCK_N=block_n, BLOCK_K=block_k, PREC=prec,
-                               WIDE=needs_int64(a, out), num_warps=warps, num_stages=stages)
+    _grouped_gemm_kernel[grid](a, rows, w, out if bias is None else bias, out, tile_expert, k, n,
+                               a.stride(0), w.stride(0), w.stride(1), w.stride(2),
+                               0 if bias is None else bias.stride(0), out.stride(0),
+                               HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k, PREC=prec, WIDE=needs_int64(a, out),
+                               num_warps=warps, num_stages=stages)
     return out
 
 
@@ -95,15 +114,17 @@ def _round_bf16(v):
     return ((bits + 0x7FFF + lsb) & -65536).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _fp8_grouped_gemm_kernel(XQ, XS, ROWS, W, WS, WROWS, OUT, TILE_EXPERT, N, K, k_offset, num_kb,
-                             stride_xq, stride_xs, stride_we, stride_wn, stride_se, stride_sr,
-                             stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
-    """OUT[r] = dequant(XQ[ROWS[r]]) @ dequant(W[e]).T for the rows r of tile t, e = TILE_EXPERT[t]:
-    one FP8 dot per weight K block, scaled by the row's group scale (XS [K blocks, rows]) and the
-    block's scale (WS [E, row blocks, K blocks], row block WROWS[n]), summed in fp32. Rows with
-    ROWS < 0 write zeros; so does a padding tile (e < 0), at once, reading no weight."""
+@triton.jit(do_not_specialize=["stride_xs"])
+def _fp8_grouped_gemm_kernel(XQ, XS, ROWS, W, WS, WROWS, B, OUT, TILE_EXPERT, N, K, k_offset,
+                             num_kb, stride_xq, stride_xs, stride_we, stride_wn, stride_se,
+                             stride_sr, stride_be, stride_om, HAS_BIAS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             WIDE: tl.constexpr):
+    """OUT[r] = dequant(XQ[ROWS[r]]) @ dequant(W[e]).T (+ B[e]) for the rows r of tile t,
+    e = TILE_EXPERT[t]: one FP8 dot per weight K block, scaled by the row's group scale (XS [K
+    blocks, rows]; its stride is the row count, a batch size) and the block's scale (WS [E, row
+    blocks, K blocks], row block WROWS[n]), summed in fp32. Rows with ROWS < 0 write zeros (or the
+    bias); a padding tile (e < 0) writes zeros at once, reading no weight."""
     tile = tl.program_id(0)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -129,6 +150,9 @@ def _fp8_grouped_gemm_kernel(XQ, XS, ROWS, W, WS, WROWS, OUT, TILE_EXPERT, N, K,
              + (rk - k_offset)[None, :])                                        # [BLOCK_N, BLOCK_K]
     ws_ptr = WS + expert.to(tl.int64) * stride_se + w_rows * stride_sr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:        # the accumulator starts at the bias: nothing extra stays live in the loop
+        bias = tl.load(B + expert.to(tl.int64) * stride_be + rn, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     for kb in range(num_kb):
         cols = kb * BLOCK_K - k_offset + rk
         w_ok = n_ok[:, None] & ((cols >= 0) & (cols < K))[None, :]
@@ -155,8 +179,8 @@ def moe_fp8_tiles(block_m: int) -> tuple[int, int, int]:
     return (128, 8, 3) if block_m >= 64 else (64, 4, 3)
 
 
-def fp8_grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: Fp8Experts,
-                     tile_expert: torch.Tensor) -> torch.Tensor:
+def fp8_grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: Fp8Experts, tile_expert: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``grouped_gemm``'s contract over FP8 experts: a [R, K] (bf16/fp16/fp32) is quantized per row
     and K group on the weight's grid; [cap, N] in a's dtype."""
     weight, scale = w.weight, w.scale
@@ -170,9 +194,10 @@ def fp8_grouped_gemm(a: torch.Tensor, rows: torch.Tensor, w: Fp8Experts,
     block_n, warps, stages = moe_fp8_tiles(block_m)
     grid = (cap // block_m, triton.cdiv(n, block_n))
     _fp8_grouped_gemm_kernel[grid](
-        xq, xs, rows, weight, scale, w.scale_rows, out, tile_expert, n, k, w.k_offset,
-        xs.shape[0], xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1),
-        scale.stride(0), scale.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        xq, xs, rows, weight, scale, w.scale_rows, out if bias is None else bias, out,
+        tile_expert, n, k, w.k_offset, xs.shape[0], xq.stride(0), xs.stride(0), weight.stride(0),
+        weight.stride(1), scale.stride(0), scale.stride(1), 0 if bias is None else bias.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, WIDE=needs_int64(xq, out, weight[0]), num_warps=warps,
         num_stages=stages)
     return out
@@ -208,19 +233,70 @@ def sort_by_expert(ids: torch.Tensor, first: int, num_local: int,
     return row_pair, tile_expert
 
 
+@triton.jit
+def _gated_activation_kernel(H, OUT, TILE_EXPERT, inter, stride_h, stride_o, limit, alpha,
+                             up_shift, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """OUT[r, :inter] = the gating of H[r, :inter] (gate) and H[r, inter:] (up), in fp32 and rounded
+    once: g * sigmoid(alpha g) * (u + up_shift), g and u clamped to ``limit`` when CLAMP
+    (``moe_torch.GatedActivation``). Rows of a padding tile (TILE_EXPERT[r / BLOCK_M] < 0) are
+    left unwritten: the down projection's padding tiles never read them (under EP most tiles)."""
+    row = tl.program_id(0)
+    if tl.load(TILE_EXPERT + row // BLOCK_M) < 0:
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    row = row.to(tl.int64) if WIDE else row
+    h = H + row * stride_h + cols
+    gate = tl.load(h, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h + inter, mask=ok, other=0.0).to(tl.float32)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(gate * alpha) * (up + up_shift)
+    if OUT.dtype.element_ty == tl.bfloat16:
+        act = _round_bf16(act)
+    tl.store(OUT + row * stride_o + cols, act.to(OUT.dtype.element_ty), mask=ok)
+
+
+def activation_tiles(inter: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the gating: up to 1024 of a row's columns a program."""
+    block = min(1024, max(16, triton.next_power_of_2(inter)))
+    return block, 4 if block <= 512 else 8
+
+
+def gated_activation(h: torch.Tensor, activation: GatedActivation,
+                     tile_expert: torch.Tensor) -> torch.Tensor:
+    """h [cap, 2 I] (gate columns, then up), tile_expert [cap / BLOCK_M] -> [cap, I] in h's dtype,
+    rows of padding tiles unwritten."""
+    cap, inter = h.shape[0], h.shape[1] // 2
+    out = h.new_empty((cap, inter))
+    block, warps = activation_tiles(inter)
+    limit = activation.limit
+    if cap and inter:
+        _gated_activation_kernel[(cap, triton.cdiv(inter, block))](
+            h, out, tile_expert, inter, h.stride(0), out.stride(0), float(limit or 0.0),
+            float(activation.alpha), float(activation.up_shift), CLAMP=limit is not None,
+            BLOCK_M=cap // tile_expert.shape[0], BLOCK=block, WIDE=needs_int64(h, out),
+            num_warps=warps)
+    return out
+
+
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, first: int, block_m: int | None = None) -> torch.Tensor:
-    """The torch form's contract: x [N, H], ids/weights [N, k] -> [N, H], the local experts' sum.
-    ``block_m`` overrides the row tile (16, 32 or 64)."""
+                   down: torch.Tensor, first: int, block_m: int | None = None,
+                   activation: GatedActivation = SILU, biases: Biases = NO_BIASES) -> torch.Tensor:
+    """The torch form's contract (``moe_torch.dense_experts_torch``): x [N, H], ids/weights [N, k]
+    -> [N, H], the local experts' sum. ``block_m`` overrides the row tile (16, 32 or 64)."""
     return run_experts(grouped_gemm, x, ids, weights, gate_up, down, first, gate_up.shape[0],
-                       down.shape[-1], block_m)
+                       block_m, activation, biases)
 
 
 def run_experts(gemm: Callable, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                gate_up: object, down: object, first: int, num_local: int, inter: int,
-                block_m: int | None) -> torch.Tensor:
-    """Sort the pairs by expert, ``gemm`` (``grouped_gemm``'s contract) over gate_up, SiLU-gate,
-    ``gemm`` over down, then each row's weighted sum of its local experts."""
+                gate_up: object, down: object, first: int, num_local: int, block_m: int | None,
+                activation: GatedActivation, biases: Biases) -> torch.Tensor:
+    """Sort the pairs by expert, ``gemm`` (``grouped_gemm``'s contract) over gate_up, the gating,
+    ``gemm`` over down, then each row's weighted sum of its local experts: only routed pairs are
+    computed."""
     k = ids.shape[1]
     # rows per local expert if routing spreads evenly (an upper bound under expert parallelism)
     block_m = block_m or moe_row_tile(ids.numel() / num_local)
@@ -228,18 +304,20 @@ def run_experts(gemm: Callable, x: torch.Tensor, ids: torch.Tensor, weights: tor
     live = row_pair >= 0
     pair = row_pair.clamp(min=0)
     rows = torch.where(live, pair // k, row_pair)
-    h = gemm(x, rows, gate_up, tile_expert)
-    act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    gate_up_bias, down_bias = biases
+    h = gemm(x, rows, gate_up, tile_expert, gate_up_bias)
+    act = gated_activation(h, activation, tile_expert)
     same = torch.where(live, torch.arange(rows.shape[0], device=x.device), row_pair)
-    y = gemm(act, same, down, tile_expert)
+    y = gemm(act, same, down, tile_expert, down_bias)
     scale = weights.reshape(-1).index_select(0, pair) * live.to(weights.dtype)
     return torch.zeros_like(x).index_add_(0, rows.clamp(min=0), y * scale[:, None])
 
 
 def triton_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        gate_up: Fp8Experts, down: Fp8Experts, first: int,
-                       block_m: int | None = None) -> torch.Tensor:
+                       block_m: int | None = None, activation: GatedActivation = SILU,
+                       biases: Biases = NO_BIASES) -> torch.Tensor:
     """``triton_experts`` over FP8 experts as loaded (gate rows then up rows in ``gate_up``; down's
     K the rank's slice of the intermediate dim), activations quantized per token and K group."""
     return run_experts(fp8_grouped_gemm, x, ids, weights, gate_up, down, first,
-                       gate_up.weight.shape[0], down.weight.shape[-1], block_m)
+                       gate_up.weight.shape[0], block_m, activation, biases)

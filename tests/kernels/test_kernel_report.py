@@ -14,9 +14,8 @@ from testkit.paths import REPO
 
 triton = pytest.importorskip("triton")
 
-FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "dsa_index", "dsa_mla",
-            "mla_prefill", "rmsnorm", "rope"}
-FAMILIES |= {"delta_rule"}
+FAMILIES = {"attention", "kv_write", "fp8_gemm", "moe", "moe_fp8", "moe_gated", "dsa_index",
+            "dsa_mla", "mla_prefill", "delta_rule", "rmsnorm", "rope"}
 FIELDS = {"family", "kernel", "config", "ptx", "registers", "spill_store_bytes", "spill_load_bytes",
           "shared_bytes"}
 

@@ -16,7 +16,15 @@ from graphcp.errors import ConfigError
 from graphcp.forward_context import current_moe_communicator
 from graphcp.kernels.fp8_torch import dequantize_expert, gemm_available
 from graphcp.kernels.fp8_types import FP8, Fp8Experts
-from graphcp.kernels.moe_torch import dense_experts_torch, experts_fp8_torch, experts_torch, silu_and_mul
+from graphcp.kernels.moe_torch import (
+    NO_BIASES,
+    SILU,
+    Biases,
+    GatedActivation,
+    dense_experts_torch,
+    experts_fp8_torch,
+    experts_torch,
+)
 from graphcp.kernels.registry import KernelChoices, chosen
 from graphcp.models.common.quantized import block_rows, scale_name, scale_shard
 from graphcp.models.config import ModelConfig
@@ -45,9 +53,11 @@ class Experts(nn.Module):
     [E_local, 2 I_local, H] (gate rows first), down_proj [E_local, H, I_local]. Checkpoints name
     them per expert (``experts.{e}.gate_proj.weight``) or fused; each rank reads only its experts
     and its expert-TP slice of them. FP8 checkpoints' experts stay FP8 (``hold_fp8``), with their
-    block scales beside them (``*_scale_inv`` buffers [E_local, row blocks, column blocks])."""
+    block scales beside them (``*_scale_inv`` buffers [E_local, row blocks, column blocks]).
+    ``activation`` is the experts' gating (a family sets its clamp); the grouped GEMMs take it."""
 
-    triton_form = True          # a Triton grouped GEMM exists for this activation
+    activation: GatedActivation = SILU
+    triton_form = True          # the grouped GEMMs read these weights (not MXFP4's packed bytes)
 
     def __init__(self, cfg: ModelConfig, ep: EPInfo) -> None:
         super().__init__()
@@ -62,8 +72,9 @@ class Experts(nn.Module):
         self.fp8: tuple[Fp8Experts, Fp8Experts] | None = None      # (gate_up, down) once attached
         self.block: tuple[int, int] | None = None
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate, up)
+    def biases(self) -> Biases:
+        """Per-expert (gate_up, down) biases the grouped GEMMs add; none here."""
+        return NO_BIASES
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over this rank's experts of weight x expert(x) for each (row, expert) pair of
@@ -73,7 +84,8 @@ class Experts(nn.Module):
             fn = chosen(op)
             if fn is not None:
                 weights_ = (self.gate_up_proj, self.down_proj) if self.fp8 is None else self.fp8
-                return fn(x, ids, weights, *weights_, self.first)
+                return fn(x, ids, weights, *weights_, self.first, activation=self.activation,
+                          biases=self.biases())
         return experts_torch(x, ids, weights, self.num_local, self.first,
                              lambda e: self.expert_weights(e, x.dtype), self.activation)
 
@@ -103,8 +115,10 @@ class Experts(nn.Module):
             op, parts, reference = "moe_experts_fp8", self.fp8, experts_fp8_torch
         else:       # no FP8 tensor cores: the dequantizing torch form serves, unchecked
             return
-        choices.probe(op, lambda fn: fn(x, ids, weights, *parts, self.first),
-                      lambda: reference(x, ids, weights, *parts, self.first), dtype)
+        # the family's gating and biases, so a clamp or bias the kernels got wrong is caught
+        extra = dict(activation=self.activation, biases=self.biases())
+        choices.probe(op, lambda fn: fn(x, ids, weights, *parts, self.first, **extra),
+                      lambda: reference(x, ids, weights, *parts, self.first, **extra), dtype)
 
     # -- loading ------------------------------------------------------------------------------
     def checkpoint_tensors(self, prefix: str, names: set[str], hidden: int) -> dict[str, tuple]:

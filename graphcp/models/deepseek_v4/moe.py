@@ -12,6 +12,7 @@ from torch import nn
 from graphcp.distributed.shards import EPInfo
 from graphcp.errors import ConfigError
 from graphcp.forward_context import current_moe_communicator
+from graphcp.kernels.moe_torch import GatedActivation
 from graphcp.models.common.linear import Linear
 from graphcp.models.common.moe import Experts
 from graphcp.models.config import ModelConfig
@@ -61,21 +62,12 @@ class V4Router(nn.Module):
 
 
 class ClampedExperts(Experts):
-    """graphcp's fused experts with V4's clamped SwiGLU, in torch on every device (the Triton
-    grouped GEMM has no clamp)."""
-
-    triton_form = False
+    """graphcp's fused experts with V4's clamped SwiGLU: the grouped GEMMs take the clamp as their
+    gating, so only routed (row, expert) pairs are computed on CUDA."""
 
     def __init__(self, cfg: ModelConfig, ep: EPInfo) -> None:
         super().__init__(cfg, ep)
-        self.limit = DeepseekV4Config.of(cfg).swiglu_limit
-
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return _swiglu(gate, up, self.limit)
-
-
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        self.activation = GatedActivation(limit=DeepseekV4Config.of(cfg).swiglu_limit)
 
 
 class ClampedMLP(nn.Module):
@@ -87,10 +79,10 @@ class ClampedMLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias=False)
         self.up_proj = Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
-        self.limit = DeepseekV4Config.of(cfg).swiglu_limit
+        self.activation = GatedActivation(limit=DeepseekV4Config.of(cfg).swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
 class V4MoE(nn.Module):

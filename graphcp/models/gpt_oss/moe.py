@@ -14,6 +14,7 @@ from torch import nn
 
 from graphcp.distributed.shards import EPInfo, shard_range
 from graphcp.forward_context import current_moe_communicator
+from graphcp.kernels.moe_torch import Biases, GatedActivation
 from graphcp.kernels.mxfp4_torch import BLOCK, dequantize_mxfp4, fp4_table
 from graphcp.models.common.moe import Experts
 from graphcp.models.config import ModelConfig
@@ -42,13 +43,12 @@ class GptOssExperts(Experts):
     (``gate_up_proj`` [E_local, 2 I_local, H / 2] uint8) and one scale byte per 32 values
     (``*_scales``)."""
 
-    triton_form = False          # the grouped GEMMs have neither the clamp nor the biases
-
     def __init__(self, cfg: ModelConfig, layer: int, ep: EPInfo) -> None:
         super().__init__(cfg, ep)
         family = GptOssConfig.of(cfg)
-        self.limit, self.alpha = family.swiglu_limit, family.swiglu_alpha
+        self.activation = GatedActivation(family.swiglu_limit, family.swiglu_alpha, up_shift=1.0)
         self.quantized = layer in family.mxfp4_layers
+        self.triton_form = not self.quantized      # the grouped GEMMs read no MXFP4
         self.adds_down_bias = ep.expert_tp_rank == 0
         per, hidden = self.num_local, cfg.hidden_size
         if self.quantized:       # the expert-TP slice in whole blocks
@@ -69,10 +69,8 @@ class GptOssExperts(Experts):
         self.down_proj_bias = _frozen(torch.empty(per, hidden))
         self.fp4_values: torch.Tensor | None = None     # MXFP4: the nibble table, made at load
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+    def biases(self) -> Biases:
+        return self.gate_up_proj_bias, self.down_proj_bias if self.adds_down_bias else None
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple:
         """Local expert ``e``'s (gate_up, down, gate_up bias, down bias or None); MXFP4 weights
