@@ -347,6 +347,7 @@ class ModelRunner:
                 "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.attention.kernel_name, "eager_reason": self.graph_reason,
                 "attention_kernel_windowed": self.attention.windowed_kernel,
+                "kernel_choices": self.kernels.report(),
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
                 "adaptive_cp": self.strategy.describe_cost()}

@@ -191,6 +191,7 @@ class KernelChoices:
 
     def __init__(self) -> None:
         self.fns: dict[str, Callable | None] = {}
+        self.fallbacks: dict[str, str] = {}    # op -> why its torch form serves (a failed probe)
 
     def probe(self, op: str, run: Callable[[Callable], Any], reference: Callable[[], Any],
               dtype: torch.dtype) -> bool:
@@ -209,9 +210,15 @@ class KernelChoices:
             reason = check(lambda: run(fn), reference, dtype)
         if reason is not None:
             log.warning("graphcp: the Triton %s %s; using the torch form", op, reason)
+            self.fallbacks[op] = reason
             fn = None
         self.fns[op] = fn
         return fn is not None
+
+    def report(self) -> dict[str, str]:
+        """Each probed op's kernel: "triton", or "torch (<why the Triton form failed>)"."""
+        return {op: "triton" if fn is not None else f"torch ({self.fallbacks.get(op, 'not probed')})"
+                for op, fn in self.fns.items()}
 
     def get(self, op: str) -> Callable | None:
         return self.fns.get(op)

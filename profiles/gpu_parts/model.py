@@ -50,6 +50,10 @@ def record_engine(rep: Report, part: str, stats: dict) -> None:
     rep.info[f"{part}_graph_buckets"] = stats["graph_buckets"]
     rep.info[f"{part}_capture_failures"] = stats["capture_failures"]
     rep.info.setdefault("attention_kernel", stats["attention_kernel"])
+    rep.kernel_choices.append({"part": part, "engine": "1B Llama" if part == "c" else part,
+                               "attention": stats["attention_kernel"],
+                               "ops": stats.get("kernel_choices", {}),
+                               "capture_failures": stats["capture_failures"]})
     for rec in stats.get("capture_records", []):
         rep.capture.append({"part": part, **rec})
     if cuda() and not rep.dry_run:
