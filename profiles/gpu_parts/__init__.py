@@ -3,8 +3,8 @@ first.
 
 f shows whether graph breaks read stale inputs from a dirty pool, a and c whether the kernels and
 the graphs are right at all, d whether CP is, h whether each family is (through the engine); g and
-e check the DSA, MoE and FP8 kernels; b only measures. Each part runs in its own process under its own time budget (seconds on the GPU, and on a
-dry run).
+e check the DSA, MoE and FP8 kernels; b only measures. Each part runs in its own process under
+its own time budget (seconds on the GPU, and on a dry run).
 """
 from __future__ import annotations
 
