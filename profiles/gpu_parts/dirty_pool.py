@@ -48,10 +48,11 @@ def dirty_graph_pool(graphs) -> tuple[int, int]:
             blocks.append(torch.empty(0, dtype=torch.uint8, device=dev).set_(memory, 0, (size,),
                                                                             (1,)))
     total = clean = 0
-    for block in blocks:
-        block.fill_(0xFF)
-        total += block.numel()
-        clean += int((block != 0xFF).sum())
+    with torch.inference_mode():          # the CPU arena was made under it
+        for block in blocks:
+            block.fill_(0xFF)
+            total += block.numel()
+            clean += int((block != 0xFF).sum())
     return total, clean
 
 

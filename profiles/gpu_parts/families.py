@@ -120,7 +120,7 @@ FAMILIES = (
     Family("MLA (DeepSeek-V3) CP 2 zigzag, graphs", _mla, dict(CP2, cp_strategy="zigzag")),
     Family("DSA (DeepSeek-V3.2) CP 2 interleave", _dsa, dict(CP2, cp_strategy="interleave"),
            graph=False),
-    Family("DeepSeek V4 (CSA, sliding, HCA; hash MoE)", _v4),
+    Family("DeepSeek V4 (CSA, sliding, HCA; hash MoE)", _v4, graph=False),   # eager by design
     Family("Qwen3-Next (Gated DeltaNet + attention)", _qwen3_next),
     Family("Qwen3-MoE TP 2 EP 2", _moe, dict(tp_size=2, ep_size=2)),
     Family("FP8 dense (block-quantized Qwen3)", _fp8(_dense_src, "fp8-dense")),
