@@ -144,3 +144,25 @@ def test_one_rank_failure_is_agreed_without_a_hang():
         assert r["replay8"] == r["eager8"] and r["recaptured"] is None
         assert r["buckets_after"] == [8, 16] and r["replay16"] == r["eager16"] == r["eager16_after"]
     assert r0["eager32"] == r1["eager32"] and r0["eager8"] == r1["eager8"]
+
+
+def test_nccl_collectives_meet_the_warmup_agreement(monkeypatch):
+    """comm.py's NCCL path calls ``collective_point`` before each collective: a warmup agrees there
+    (and stops with PeerFailed when a peer failed); inside a break, and outside a warmup, nothing."""
+    import pytest
+
+    from graphcp.distributed import comm
+    from graphcp.graph.protocol import BreakLog, PeerFailed, graph_break
+    votes: list = []
+    issued: list = []
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda t, group=None: issued.append(t))
+    monkeypatch.setattr(comm, "_nccl", lambda group: True)
+    with BreakLog(lambda ok: votes.append(ok) or True):
+        comm.all_reduce(torch.zeros(2), None)                  # an NCCL collective in the forward
+        graph_break(lambda t: comm._all_reduce(t, None))(torch.zeros(1))     # inside a break
+    assert votes == [True] and len(issued) == 2
+    comm.all_reduce(torch.zeros(2), None)                      # serving: no agreement
+    assert votes == [True] and len(issued) == 3
+    with pytest.raises(PeerFailed), BreakLog(lambda ok: False):
+        comm.all_reduce(torch.zeros(2), None)
+    assert len(issued) == 3, "a rank that learned of a failure issues no collective"
