@@ -212,6 +212,8 @@ class KernelChoices:
             log.warning("graphcp: the Triton %s %s; using the torch form", op, reason)
             self.fallbacks[op] = reason
             fn = None
+        else:
+            self.fallbacks.pop(op, None)
         self.fns[op] = fn
         return fn is not None
 

@@ -322,3 +322,22 @@ def test_dirty_pool_part_dirties_the_pool(tmp_path):
     dirtied = [c for c in rep.checks if c["check"].startswith("graph pool dirtied")]
     assert len(dirtied) == 2 and all(c["ok"] and c["pool_bytes"] > 0 for c in dirtied)
     assert all(c["ok"] for c in rep.checks), rep.checks
+
+
+def test_a_failed_probe_is_recorded_not_only_logged():
+    """A Triton layer op whose start-up probe fails serves in its torch form, and the choices say
+    so, with the reason (the engine's stats and gpu_check's report read ``report``)."""
+    from graphcp.kernels.registry import KernelChoices
+
+    def raising(fn):
+        raise RuntimeError("no kernel image for sm_90a")
+
+    choices = KernelChoices()
+    x = torch.randn(4, 8)
+    assert not choices.probe("rope", raising, lambda: x, torch.float32)
+    assert choices.probe("rms_norm", lambda fn: (x * 2, x), lambda: (x * 2, x), torch.float32)
+    report = choices.report()
+    assert report["rms_norm"] == "triton"
+    assert report["rope"] == "torch (failed its first call (RuntimeError: no kernel image for sm_90a))"
+    assert choices.probe("rope", lambda fn: x, lambda: x, torch.float32)
+    assert choices.report()["rope"] == "triton"
