@@ -50,7 +50,8 @@ def record_engine(rep: Report, part: str, stats: dict) -> None:
     rep.info[f"{part}_graph_buckets"] = stats["graph_buckets"]
     rep.info[f"{part}_capture_failures"] = stats["capture_failures"]
     rep.info.setdefault("attention_kernel", stats["attention_kernel"])
-    rep.kernel_choices.append({"part": part, "engine": "1B Llama" if part == "c" else part,
+    engine = {"c": "part c's model, CP 1", "d": "part c's model, CP 2 zigzag"}.get(part, part)
+    rep.kernel_choices.append({"part": part, "engine": engine,
                                "attention": stats["attention_kernel"],
                                "ops": stats.get("kernel_choices", {}),
                                "capture_failures": stats["capture_failures"]})
