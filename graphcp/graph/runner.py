@@ -168,8 +168,8 @@ class GraphRunner:
         """The eager warmup before capture (CUDA: lazy inits, autotuning, host syncs refused; with
         collective breaks: the log of collectives a failed capture must still issue). A rank that fails
         here tells its peers at their next collective (a collective break, or under NCCL the
-        ``collective_point`` before each collective), so no rank waits in a collective its peer never
-        reaches (``BreakLog.agree``); every rank then serves the bucket eagerly."""
+        ``collective_point`` before each collective), so no rank waits in a collective its peer
+        never reaches (``BreakLog.agree``); every rank then serves the bucket eagerly."""
         cuda = self.device.type == "cuda"
         if not (cuda or self.collective_breaks):
             return None
