@@ -11,8 +11,8 @@ First a pre-flight (CUDA, and what Triton needs to build its launcher: a C compi
 libcuda, a writable cache, one tiny kernel); then the parts, most informative first, each in its own
 process under its own time budget (``gpu_parts/__init__.py``): f dirty-pool capture, a Triton
 kernels, c 1B model graph vs eager vs HF, d CP=2, h a tiny engine per family, g DSA/MoE kernels,
-e FP8 GEMM, b attention TFLOP/s. A hard watchdog ends the run before 8 minutes. Writes ``gpu_check.json`` and
-``gpu_check.md`` into ``--out``.
+e FP8 GEMM, b attention TFLOP/s. A hard watchdog ends the run before 8 minutes. Writes
+``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
 
 Exit code: 0 passed (the pre-flight passed, every part ran whole and every check is within
 tolerance); 1 FAILED (a pre-flight item missing, a part failed, crashed or hung, or a check out of

@@ -219,8 +219,9 @@ class KernelChoices:
 
     def report(self) -> dict[str, str]:
         """Each probed op's kernel: "triton", or "torch (<why the Triton form failed>)"."""
-        return {op: "triton" if fn is not None
-                else f"torch ({self.fallbacks.get(op, 'not probed')})" for op, fn in self.fns.items()}
+        why = self.fallbacks
+        return {op: "triton" if fn is not None else f"torch ({why.get(op, 'not probed')})"
+                for op, fn in self.fns.items()}
 
     def get(self, op: str) -> Callable | None:
         return self.fns.get(op)

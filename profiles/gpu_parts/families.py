@@ -171,7 +171,8 @@ def run_family(rep: Report, fam: Family, workdir: str, tol: float) -> None:
     if fam.graph:
         rep.check("h", f"{fam.name}: replayed as a graph", "not graph (1) / graph (0)",
                   float(out.mode != "graph"), 0.0, reason=out.eager_reason)
-    rep.kernel_choices.append({"part": "h", "engine": fam.name, "attention": stats["attention_kernel"],
+    rep.kernel_choices.append({"part": "h", "engine": fam.name,
+                               "attention": stats["attention_kernel"],
                                "ops": stats.get("kernel_choices", {}),
                                "capture_failures": stats["capture_failures"]})
 

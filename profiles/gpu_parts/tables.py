@@ -127,8 +127,10 @@ def _choices(rep: Report) -> list[str]:
              "; ".join(f"{op}: {why}" for op, why in c["ops"].items()) or "none probed (CPU)",
              ", ".join(str(b) for b in c.get("capture_failures", {})) or ""]
             for c in rep.kernel_choices]
+    if not rows:
+        return []
     return _table("Kernels chosen per engine (probed layer ops: triton, or torch and why)",
-                  ["part", "engine", "attention", "layer ops", "buckets failed"], rows) if rows else []
+                  ["part", "engine", "attention", "layer ops", "buckets failed"], rows)
 
 
 def _aims(rep: Report) -> list[str]:

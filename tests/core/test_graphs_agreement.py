@@ -1,7 +1,7 @@
 """A one-rank warmup or capture failure under NCCL's collective order, shown on CPU with gloo.
 
-Under NCCL the forward's collectives are not graph breaks: a warmup issues them eagerly and a capture
-records them, to run only when a segment is replayed (before a break, and at serving). Here two
+Under NCCL the forward's collectives are not graph breaks: a warmup issues them eagerly and a
+capture records them, to run only when a segment is replayed (before a break, and at serving). Here two
 processes stand in for that: torch.cuda's graph is replaced by one that defers each step of the
 forward to its replay, as a CUDA capture does, and the collectives are gloo's. Rank 1 fails the
 warmup of bucket 32 and the capture of bucket 16; without agreements, rank 0 would wait in the next
@@ -99,8 +99,8 @@ def _rank(rank: int, port: int, out: dict) -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) == 0
 
-    inputs = types.SimpleNamespace(set_batch=lambda batch: None, static=None, aux=None, logits=logits,
-                                   tensors=lambda: [])
+    inputs = types.SimpleNamespace(set_batch=lambda batch: None, static=None, aux=None,
+                                   logits=logits, tensors=lambda: [])
     runner = GraphRunner(forward, inputs, torch.device("cuda"), agree, collective_breaks=False,
                          share_errors=gather_errors(dist.group.WORLD))
     capture_batch = lambda bucket, seed: (None, bucket)               # noqa: E731
@@ -147,8 +147,9 @@ def test_one_rank_failure_is_agreed_without_a_hang():
 
 
 def test_nccl_collectives_meet_the_warmup_agreement(monkeypatch):
-    """comm.py's NCCL path calls ``collective_point`` before each collective: a warmup agrees there
-    (and stops with PeerFailed when a peer failed); inside a break, and outside a warmup, nothing."""
+    """comm.py's NCCL path calls ``collective_point`` before each collective: a warmup agrees
+    there (and stops with PeerFailed when a peer failed); inside a break, and outside a warmup,
+    nothing."""
     import pytest
 
     from graphcp.distributed import comm

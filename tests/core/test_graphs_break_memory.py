@@ -1,6 +1,6 @@
 """Graph breaks do not keep their arguments per bucket: what a graph's breaks hold alive (besides
-the shared pool, the static inputs and the weights) stays the same however many buckets are captured,
-and the graphs still replay like eager."""
+the shared pool, the static inputs and the weights) stays the same however many buckets are
+captured, and the graphs still replay like eager."""
 from __future__ import annotations
 
 import torch

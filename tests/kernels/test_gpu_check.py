@@ -266,8 +266,8 @@ def test_per_bucket_memory_is_this_process_not_the_device(two_gpus, monkeypatch)
 
 # -- part h: a tiny engine per family; part f: the dirtied pool ------------------------------------
 def test_per_row_error_sees_a_wrong_far_row():
-    """A request whose logits are small is wrong by half its own scale: the batch-wide relative error
-    (and a 2e-2 absolute tolerance) pass it, the per-row error does not."""
+    """A request whose logits are small is wrong by half its own scale: the batch-wide relative
+    error (and a 2e-2 absolute tolerance) pass it, the per-row error does not."""
     from gpu_parts.common import rel_err
     from gpu_parts.families import row_rel_err
     want = torch.stack([torch.linspace(-100, 100, 50), torch.linspace(-0.01, 0.01, 50)])
@@ -338,6 +338,7 @@ def test_a_failed_probe_is_recorded_not_only_logged():
     assert choices.probe("rms_norm", lambda fn: (x * 2, x), lambda: (x * 2, x), torch.float32)
     report = choices.report()
     assert report["rms_norm"] == "triton"
-    assert report["rope"] == "torch (failed its first call (RuntimeError: no kernel image for sm_90a))"
+    assert report["rope"] == ("torch (failed its first call (RuntimeError: no kernel image for "
+                              "sm_90a))")
     assert choices.probe("rope", lambda fn: x, lambda: x, torch.float32)
     assert choices.report()["rope"] == "triton"
