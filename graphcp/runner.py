@@ -29,7 +29,7 @@ from graphcp.forward_batch import BatchInputs, Descriptors, ForwardBatch
 from graphcp.forward_context import forward_context
 from graphcp.graph.buffers import GraphInputs
 from graphcp.graph.protocol import GraphCaptureError, capture_active
-from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner
+from graphcp.graph.runner import DEFAULT_BUCKETS, GraphRunner, gather_errors
 from graphcp.kernels.registry import KernelChoices
 from graphcp.kernels.resolve import probe_layer_ops
 from graphcp.kv import make_pool
@@ -94,7 +94,7 @@ class ModelRunner:
         if inputs is not None:
             collective_breaks = args.world_size > 1 and torch.distributed.get_backend() != "nccl"
             self.graphs = GraphRunner(self.forward, inputs, self.device, par.all_ranks_agree,
-                                      collective_breaks)
+                                      collective_breaks, gather_errors(par.groups.tp))
             with torch.inference_mode(), self.kernels.active():
                 self.graphs.capture_all(buckets, self._capture_batch,
                                         progress=capture_progress and rank == 0)
@@ -349,6 +349,7 @@ class ModelRunner:
                 "moe_traffic": self.par.moe_comm.traffic.as_dict() if self.par.moe_comm else None,
                 "attention_kernel": self.attention.kernel_name, "eager_reason": self.graph_reason,
                 "attention_kernel_windowed": self.attention.windowed_kernel,
+                "kernel_choices": self.kernels.report(),
                 "capture_failures": graphs.failures if graphs else {},
                 "capture_records": [vars(r) for r in graphs.records.values()] if graphs else [],
                 "adaptive_cp": self.strategy.describe_cost(), **self.pool.usage(self.planner.pages)}

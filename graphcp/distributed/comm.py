@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from graphcp.graph.protocol import graph_break
+from graphcp.graph.protocol import collective_point, graph_break
 from graphcp.profiling import nvtx_range
 
 # torch 2.13 renamed the tensor forms (same semantics); older torch has only the old names.
@@ -20,6 +20,7 @@ def _nccl(group: dist.ProcessGroup | None) -> bool:
 def _out_of_place(collective, out: torch.Tensor, inp: torch.Tensor,
                   group: dist.ProcessGroup | None) -> torch.Tensor:
     """Run an (out, inp) collective; under gloo, CUDA tensors travel through host memory."""
+    collective_point()          # a warmup agrees here that no rank failed (NCCL: not a break)
     if out.is_cuda and not _nccl(group):
         host = torch.empty(out.shape, dtype=out.dtype)
         collective(host, inp.cpu().contiguous(), group=group)
@@ -37,6 +38,7 @@ def _reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    collective_point()
     if t.is_cuda and not _nccl(group):
         host = t.cpu()
         dist.all_reduce(host, group=group)

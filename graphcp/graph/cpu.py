@@ -300,6 +300,9 @@ class CpuCapture(Capture):
         place_in_pool(g, self.slots, self.root_of, self.pool)
         _plan_drops(g)
         g.static, g.static_ptrs = list(static), [t.data_ptr() for t in static]
+        for item in g.items:     # replays resolve breaks by ``resolve``: drop the capture's tensors
+            if isinstance(item, Break):
+                item.args, item.kwargs = (), {}
         self.keep.clear()
         self.ids.clear()
         return g

@@ -1,4 +1,10 @@
-"""CUDA capture: one ``torch.cuda.CUDAGraph`` per segment, one memory pool shared by every bucket."""
+"""CUDA capture: one ``torch.cuda.CUDAGraph`` per segment, one memory pool shared by every bucket.
+
+Under NCCL the forward's collectives are captured in the segments, so a rank whose capture fails
+would leave its peers waiting in them when the protocol replays a segment before a break. With
+``agree`` every rank agrees that all still capture at the end of each segment, before it is
+replayed (and at the end of the capture); a rank that failed says so once, at its peers' next
+agreement, and every rank stops there with matched collectives (``PeerFailed`` on the peers)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +13,17 @@ from typing import Any, Callable
 
 import torch
 
-from graphcp.graph.protocol import Break, BreakableGraph, BreakLog, Capture, check_break_outputs, host_slot, set_active
+from graphcp.graph.protocol import (
+    Break,
+    BreakableGraph,
+    BreakLog,
+    Capture,
+    PeerFailed,
+    borrow_break_args,
+    check_break_outputs,
+    host_slot,
+    set_active,
+)
 from graphcp.profiling import no_profiler_ranges
 
 
@@ -25,8 +41,9 @@ class CudaCapture(Capture):
     stream shared across buckets. Nothing runs while a segment is captured, so before a break runs at
     capture, the segment just captured is replayed: the break then reads what the graph computes."""
 
-    def __init__(self, pool: Any, stream: "torch.cuda.Stream") -> None:
-        self.pool, self.stream = pool, stream
+    def __init__(self, pool: Any, stream: "torch.cuda.Stream",
+                 agree: Callable[[bool], bool] | None = None) -> None:
+        self.pool, self.stream, self.agree = pool, stream, agree
         self.graph = BreakableGraph()
         self.current: Any = None
         self._entered: list[Any] = []
@@ -44,8 +61,9 @@ class CudaCapture(Capture):
             set_active(self)
             self._entered.append(lambda: set_active(None))
             self._begin()
-        except BaseException:
+        except BaseException as e:
             self._release()      # a failed capture_begin must not leave gc frozen or the stream entered
+            self._tell_peers(type(e))
             raise
         return self
 
@@ -60,6 +78,24 @@ class CudaCapture(Capture):
         finally:
             self._release()
             torch.cuda.current_stream().wait_stream(self.stream)
+        if exc_type is None:
+            self._meet_peers()        # the last segment's agreement
+        else:
+            self._tell_peers(exc_type)
+
+    def _meet_peers(self) -> None:
+        """Every rank's agreement that all are still capturing (a no-op without ``agree``)."""
+        if self.agree is not None and not self.agree(True):
+            self.graph.items.clear()              # release the partial graph
+            raise PeerFailed("another rank's capture failed")
+
+    def _tell_peers(self, exc_type: Any) -> None:
+        """This rank's capture failed: its one ``agree(False)`` meets the peers' next agreement.
+        A rank that stopped for a peer (``PeerFailed``) already met it."""
+        self.graph.items.clear()
+        stopped_for_peer = isinstance(exc_type, type) and issubclass(exc_type, PeerFailed)
+        if self.agree is not None and not stopped_for_peer:
+            self.agree(False)
 
     def _release(self) -> None:
         while self._entered:
@@ -80,6 +116,7 @@ class CudaCapture(Capture):
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         segment = self._end()
+        self._meet_peers()                    # before the replay issues the segment's collectives
         if segment is not None:
             segment.replay(None)              # compute the break's inputs: capture ran nothing
         out = fn(*args, **kwargs)
@@ -91,6 +128,7 @@ class CudaCapture(Capture):
     def finish(self, static: list[torch.Tensor]) -> BreakableGraph:
         g = self.graph
         g.static, g.static_ptrs = list(static), [t.data_ptr() for t in static]
+        borrow_break_args(g)       # the pool's blocks return to it: the next bucket reuses them
         return g
 
 
@@ -112,5 +150,12 @@ class SyncCheckedWarmup(BreakLog):
         torch.cuda.set_sync_debug_mode(self.previous)    # breaks may sync: they run eagerly at replay too
         try:
             return super().run_break(fn, args, kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def before_collective(self) -> None:
+        torch.cuda.set_sync_debug_mode(self.previous)    # the agreement reads its flag on the host
+        try:
+            super().before_collective()
         finally:
             torch.cuda.set_sync_debug_mode("error")

@@ -28,7 +28,7 @@ class GraphCaptureError(RuntimeError):
 
 
 class PeerFailed(RuntimeError):
-    """Another rank's eager warmup failed: this rank stops its own at the next collective break."""
+    """Another rank's warmup or capture failed: this rank stops its own at the next agreement."""
 
 
 class Capture:
@@ -39,6 +39,9 @@ class Capture:
 
     def finish(self, static: list[torch.Tensor]) -> "BreakableGraph":
         raise NotImplementedError
+
+    def before_collective(self) -> None:
+        """A collective is about to be issued outside a break (NCCL's, captured in the graph)."""
 
 
 _active: Capture | None = None
@@ -51,6 +54,20 @@ def set_active(capture: Capture | None) -> None:
 
 def capture_active() -> bool:
     return _active is not None
+
+
+def collective_point() -> None:
+    """Called just before a collective that is not a graph break (NCCL's): an eager warmup agrees
+    with its peers here that every rank still runs (``BreakLog``), so a rank that failed is never
+    waited for inside the collective. Outside a warmup or capture, and inside breaks: nothing."""
+    capture = _active
+    if capture is None:
+        return
+    set_active(None)                   # the agreement's own collective is not a collective point
+    try:
+        capture.before_collective()
+    finally:
+        set_active(capture)
 
 
 def graph_break(fn: Callable | None = None, *, collective: bool = False, host_arg: str | None = None) -> Callable:
@@ -82,9 +99,10 @@ class BreakLog(Capture):
     When a rank's capture fails partway, ``drain`` issues the collectives its peers still wait for, so
     every rank reaches the end of the capture and the agreement on the bucket with matched collectives.
 
-    With ``agree`` (an all-rank AND), every rank agrees before each collective break that all are still
-    running: a rank whose warmup fails calls ``agree(False)`` once instead of its next collective, and its
-    peers, meeting that agreement, stop with ``PeerFailed``, so no collective is left unmatched."""
+    With ``agree`` (an all-rank AND), every rank agrees before each collective (a collective break,
+    or an NCCL collective's ``collective_point``) that all are still running: a rank whose warmup
+    fails calls ``agree(False)`` once instead of its next collective, and its peers, meeting that
+    agreement, stop with ``PeerFailed``, so no collective is left unmatched."""
 
     def __init__(self, agree: Callable[[bool], bool] | None = None) -> None:
         self.calls: list[tuple[Callable, tuple, dict]] = []
@@ -98,10 +116,14 @@ class BreakLog(Capture):
         set_active(None)
 
     def run_break(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.agree is not None and getattr(fn, "graphcp_collective", False) and not self.agree(True):
-            raise PeerFailed("another rank's eager warmup failed")
+        if getattr(fn, "graphcp_collective", False):
+            self.before_collective()
         self.calls.append((fn, args, kwargs))
         return fn(*args, **kwargs)
+
+    def before_collective(self) -> None:
+        if self.agree is not None and not self.agree(True):
+            raise PeerFailed("another rank's eager warmup failed")
 
     def drain(self, done: int, passes_left: int) -> None:
         """Issue the logged collectives after the first ``done`` breaks, then ``passes_left`` more passes'
@@ -134,6 +156,47 @@ def check_break_outputs(fn: Callable, args: tuple, kwargs: dict, out: Any) -> No
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages:
             raise GraphCaptureError(f"break {fn.__name__} returned a tensor that is not (a view of) one of its "
                                     "arguments; breaks must write into a caller-provided buffer")
+
+
+def borrowed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over the same memory without owning it (what torch's cudagraph trees use for outputs
+    in a freed pool): the graph keeps reading and writing that address, the pool may hand it out."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                           storage.nbytes())
+    view = torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.shape,
+                                                               t.stride())
+    view.graphcp_borrowed = True
+    return view
+
+
+def borrow_break_args(g: "BreakableGraph") -> None:
+    """A CUDA graph's breaks keep their device arguments as borrowed views, not owners. At replay
+    every segment writes the addresses it wrote at capture, in the same order, so a break reads what
+    it read then; once the capture ends, those pool blocks go back to the pool shared by every
+    bucket (buckets replay one at a time), instead of each bucket holding its breaks' arguments
+    for the engine's life (GBs at 80 layers x 11 buckets). Host tensors are kept as they are."""
+    for item in g.items:
+        if isinstance(item, Break):
+            flat, spec = tree_flatten((item.args, item.kwargs))
+            flat = [borrowed(t) if isinstance(t, torch.Tensor) and t.device.type != "cpu" else t
+                    for t in flat]
+            item.args, item.kwargs = tree_unflatten(flat, spec)
+
+
+def held_storages(g: "BreakableGraph") -> dict[int, int]:
+    """{storage address: bytes} of every tensor a graph's breaks own a reference to (borrowed views
+    own nothing): what the graph keeps alive besides its pool, the static inputs and the weights."""
+    held: dict[int, int] = {}
+    for item in g.items:
+        if not isinstance(item, Break):
+            continue
+        trees = [(item.args, item.kwargs)] + ([item.resolve[0]] if item.resolve else [])
+        for t in tree_flatten(trees)[0]:
+            if isinstance(t, torch.Tensor) and not getattr(t, "graphcp_borrowed", False):
+                storage = t.untyped_storage()
+                held[storage.data_ptr()] = storage.nbytes()
+    return held
 
 
 @dataclass

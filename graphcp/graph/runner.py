@@ -53,17 +53,33 @@ class BucketRecord:
 
 Forward = Callable[[ForwardBatch], torch.Tensor]
 CaptureBatch = Callable[[int, int], tuple[BatchInputs, Any]]   # (bucket, seed) -> (batch, its layout)
+ShareErrors = Callable[[str | None], list[str | None]]
+
+
+def gather_errors(group: Any) -> ShareErrors:
+    """``share_errors`` over a process group (None: a single rank)."""
+    def share(error: str | None) -> list[str | None]:
+        if group is None:
+            return [error]
+        out: list[str | None] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(out, error, group=group)
+        return out
+    return share
 
 
 class GraphRunner:
     """Captures ``forward`` per bucket and replays it; logits land in the static inputs' logits buffer.
-    ``agree``: all-rank AND of a flag, so every rank keeps the same buckets. ``collective_breaks``: the
-    forward meets peers inside breaks (then a failed capture must still meet them)."""
+    ``agree``: all-rank AND of a flag, so every rank keeps the same buckets. ``collective_breaks``:
+    the forward meets peers inside breaks (gloo: a failed capture must still meet them); otherwise
+    (NCCL) its collectives are captured and every rank agrees at each segment's end instead.
+    ``share_errors``: every rank's error (an all-gather), so a failure reads the same everywhere."""
 
     def __init__(self, forward: Forward, inputs: GraphInputs, device: torch.device,
-                 agree: Callable[[bool], bool], collective_breaks: bool) -> None:
+                 agree: Callable[[bool], bool], collective_breaks: bool,
+                 share_errors: ShareErrors | None = None) -> None:
         self.forward, self.inputs, self.device = forward, inputs, device
         self.agree, self.collective_breaks = agree, collective_breaks
+        self.share_errors = share_errors
         self.graphs: dict[int, BreakableGraph] = {}
         self.records: dict[int, BucketRecord] = {}
         self.captures = 0                 # capture attempts so far: stays constant while serving
@@ -111,12 +127,14 @@ class GraphRunner:
     def capture(self, bucket: int, capture_batch: CaptureBatch) -> BucketRecord:
         self.captures += 1
         t0, m0 = time.perf_counter(), process_memory(self.device)
-        error = None
+        error, graph, own = None, None, True
         try:
             with nvtx_range(f"capture:{bucket}"):
                 graph = self._capture(bucket, capture_batch)
+        except PeerFailed as e:              # this rank stopped for a peer: the peer says why
+            error, own = str(e), False
         except GraphCaptureError as e:
-            error, graph = str(e), None
+            error = str(e)
         except RuntimeError as e:
             if self.device.type != "cuda":
                 raise
@@ -127,7 +145,7 @@ class GraphRunner:
             torch.cuda.synchronize()
             self.pool = torch.cuda.graph_pool_handle()
         if not self.agree(error is None):
-            error = error or "another rank failed to capture this bucket"
+            error = self._agreed_error(error if own else None)
         grown = max(0, process_memory(self.device) - m0)        # this process's pool: not another rank's
         rec = BucketRecord(bucket, time.perf_counter() - t0, grown, error)
         self.records[bucket] = rec
@@ -137,27 +155,38 @@ class GraphRunner:
             log.warning("graphcp: bucket %d runs eagerly: capture failed: %s", bucket, error)
         return rec
 
+    def _agreed_error(self, own: str | None) -> str:
+        """One message on every rank: the first failing rank's own error."""
+        errors = self.share_errors(own) if self.share_errors is not None else [own]
+        for rank, error in enumerate(errors):
+            if error is not None:
+                where = f"rank {rank} of {len(errors)}: " if len(errors) > 1 else ""
+                return f"{where}{error}"
+        return "another rank failed to capture this bucket"
+
     def _warmup(self, run: Callable[[ForwardBatch], None], batch: ForwardBatch) -> BreakLog | None:
         """The eager warmup before capture (CUDA: lazy inits, autotuning, host syncs refused; with
         collective breaks: the log of collectives a failed capture must still issue). A rank that fails
-        here tells its peers at their next collective break, so no rank waits in a collective its peer
+        here tells its peers at their next collective (a collective break, or under NCCL the
+        ``collective_point`` before each collective), so no rank waits in a collective its peer
         never reaches (``BreakLog.agree``); every rank then serves the bucket eagerly."""
         cuda = self.device.type == "cuda"
         if not (cuda or self.collective_breaks):
             return None
-        agree = self.agree if self.collective_breaks else None
+        # gloo: before each collective break; NCCL: before each captured collective too
+        agree = self.agree if (self.collective_breaks or cuda) else None
         warmup = SyncCheckedWarmup(agree) if cuda else BreakLog(agree)
         try:
             with warmup:
                 run(batch)
-        except PeerFailed as e:
-            raise GraphCaptureError(str(e)) from None
+        except PeerFailed:
+            raise
         except Exception as e:
             if agree is not None:
                 agree(False)
             raise GraphCaptureError(f"the eager warmup failed: {type(e).__name__}: {str(e)[:200]}") from None
         if agree is not None and not agree(True):
-            raise GraphCaptureError("another rank's eager warmup failed")
+            raise PeerFailed("another rank's eager warmup failed")
         if cuda:
             torch.cuda.synchronize()
         return warmup
@@ -183,12 +212,18 @@ class GraphRunner:
         for i in range(passes):
             if i:
                 batch = load(bucket + i)
-            cap = CudaCapture(self.pool, self.stream) if cuda else CpuCapture(pool=self.pool)
+            if cuda:      # NCCL: segment-end agreements; gloo: the warmup's collectives drained
+                agree = None if self.collective_breaks else self.agree
+                cap = CudaCapture(self.pool, self.stream, agree)
+            else:
+                cap = CpuCapture(pool=self.pool)
             try:
                 with cap:
                     run(batch)
+            except PeerFailed:
+                raise
             except BaseException:
-                if warmup is not None:
+                if warmup is not None and self.collective_breaks:
                     warmup.drain(cap.graph.num_breaks, passes - i - 1)
                 raise
             captures.append(cap)

@@ -210,6 +210,7 @@ class KernelChoices:
 
     def __init__(self) -> None:
         self.fns: dict[str, Callable | None] = {}
+        self.fallbacks: dict[str, str] = {}    # op -> why its torch form serves (a failed probe)
 
     def probe(self, op: str, run: Callable[[Callable], Any], reference: Callable[[], Any],
               dtype: torch.dtype, head_dim: int = 0) -> bool:
@@ -228,9 +229,18 @@ class KernelChoices:
             reason = check(lambda: run(fn), reference, dtype)
         if reason is not None:
             log.warning("graphcp: the Triton %s %s; using the torch form", op, reason)
+            self.fallbacks[op] = reason
             fn = None
+        else:
+            self.fallbacks.pop(op, None)
         self.fns[op] = fn
         return fn is not None
+
+    def report(self) -> dict[str, str]:
+        """Each probed op's kernel: "triton", or "torch (<why the Triton form failed>)"."""
+        why = self.fallbacks
+        return {op: "triton" if fn is not None else f"torch ({why.get(op, 'not probed')})"
+                for op, fn in self.fns.items()}
 
     def get(self, op: str) -> Callable | None:
         return self.fns.get(op)

@@ -1,4 +1,4 @@
-"""Part h: the Triton gated delta rule (Qwen3-Next / Qwen3.5 linear attention) against its torch form
+"""Part i: the Triton gated delta rule (Qwen3-Next / Qwen3.5 linear attention) against its torch form
 on the same inputs: values in bf16 (the rule's TF32 dots) at the released head dims (128), varlen
 sequences with initial states and an empty one, the CP hand-off's affine form and its state
 correction; then one CUDA graph of the rule replayed on other lengths, and its time beside the
@@ -49,18 +49,18 @@ def run(rep: Report, workdir: str) -> str:
     name = f"{len(lens)} sequences {lens} h{heads} dk{dk} dv{dv}"
     o, final = triton_delta_rule(q, k, v, g, beta, state, layout)
     ref_o, ref_final = torch_form.gated_delta_rule(q, k, v, g, beta, state, layout)
-    rep.check("h", f"delta rule outputs {name}", "max rel err", rel_err(o, ref_o), tol)
-    rep.check("h", f"delta rule final states {name}", "max rel err", rel_err(final, ref_final), tol)
+    rep.check("i", f"delta rule outputs {name}", "max rel err", rel_err(o, ref_o), tol)
+    rep.check("i", f"delta rule final states {name}", "max rel err", rel_err(final, ref_final), tol)
     got = torch_form.block_transition(q, k, v, g, beta, layout, triton_delta_rule)
     ref = torch_form.block_transition(q, k, v, g, beta, layout)
-    rep.check("h", "CP affine form (o_zero, q_eff, A, B)", "max rel err",
+    rep.check("i", "CP affine form (o_zero, q_eff, A, B)", "max rel err",
               max(rel_err(a, b) for a, b in zip(got, ref)), tol)
-    rep.check("h", "CP state correction q_eff S0", "max rel err",
+    rep.check("i", "CP state correction q_eff S0", "max rel err",
               rel_err(triton_state_outputs(got[1], state, layout),
                       torch_form.state_outputs(got[1], state, layout)), tol)
     if rep.dry_run:
         return "interpreter, tiny shapes"
-    rep.check("h", "CUDA graph of the rule replayed on other lengths", "max rel err",
+    rep.check("i", "CUDA graph of the rule replayed on other lengths", "max rel err",
               _graph_replay(q, k, v, g, beta, state, rows), tol)
     args = (q, k, v, g, beta, state, layout)
     ms = {"triton": cuda_ms(lambda: triton_delta_rule(*args), 2, 5),

@@ -1,8 +1,11 @@
 """Part f: capture on a dirty pool. A large block is filled with a non-zero pattern and freed (CUDA
 does not zero reused memory), then an engine with the torch attention kernel, whose graph break
-reads lengths on the host that the captured segment computed, captures its buckets; every batch must
-replay as a graph and equal eager. Stale break inputs would show here first, so this part runs
-first, in a fresh process."""
+reads lengths on the host that the captured segment computed, captures its buckets. Before each
+replay every byte of the graphs' pool (CUDA: its segments in the allocator's snapshot; CPU: the
+replay arena) is set to 0xFF (NaN in every float dtype), and read back to prove it: between replays
+the pool holds only dead intermediates, so a graph that reads one before writing it (a stale break
+input) gives NaN. Every batch must replay as a graph and equal eager. Stale break inputs would show
+here first, so this part runs first, in a fresh process."""
 from __future__ import annotations
 
 import os
@@ -27,6 +30,32 @@ def _dirty_device_memory() -> int:
     return size
 
 
+def dirty_graph_pool(graphs) -> tuple[int, int]:
+    """Set every byte of the graph runner's pool to 0xFF; (bytes set, bytes that did not read back
+    as 0xFF)."""
+    import torch
+
+    from graphcp.graph.cpu_pool import CpuPool
+    if isinstance(graphs.pool, CpuPool):
+        blocks = [graphs.pool.arena]
+    else:           # the pool's segments (a pool that failed a capture was replaced: the last one)
+        blocks, pool = [], tuple(graphs.pool)
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", ())) != pool:
+                continue
+            dev, size = torch.device("cuda", seg["device"]), seg["total_size"]
+            memory = torch._C._construct_storage_from_data_pointer(seg["address"], dev, size)
+            blocks.append(torch.empty(0, dtype=torch.uint8, device=dev).set_(memory, 0, (size,),
+                                                                            (1,)))
+    total = clean = 0
+    with torch.inference_mode():          # the CPU arena was made under it
+        for block in blocks:
+            block.fill_(0xFF)
+            total += block.numel()
+            clean += int((block != 0xFF).sum())
+    return total, clean
+
+
 def run(rep: Report, workdir: str) -> str:
     from graphcp import Engine, EngineArgs
     from graphcp.checkpoint.config import read_model_config
@@ -48,6 +77,10 @@ def run(rep: Report, workdir: str) -> str:
         for i, (n, length) in enumerate(shapes):
             batch = [(f"f{i}-{j}", [(7 * j + 3 * t + i) % vocab for t in range(length)])
                      for j in range(n)]
+            pool_bytes, clean = dirty_graph_pool(engine._runner.graphs)
+            rep.check("f", f"graph pool dirtied before replay {n}x{length}", "bytes not 0xFF "
+                      "(or no pool: 1)", float(clean if pool_bytes else 1), 0.0,
+                      pool_bytes=pool_bytes)
             g = prefill(engine, batch)
             e = prefill(engine, batch, force_eager=True)
             shape = f"{n}x{length}"

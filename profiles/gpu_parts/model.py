@@ -50,6 +50,11 @@ def record_engine(rep: Report, part: str, stats: dict) -> None:
     rep.info[f"{part}_graph_buckets"] = stats["graph_buckets"]
     rep.info[f"{part}_capture_failures"] = stats["capture_failures"]
     rep.info.setdefault("attention_kernel", stats["attention_kernel"])
+    engine = {"c": "part c's model, CP 1", "d": "part c's model, CP 2 zigzag"}.get(part, part)
+    rep.kernel_choices.append({"part": part, "engine": engine,
+                               "attention": stats["attention_kernel"],
+                               "ops": stats.get("kernel_choices", {}),
+                               "capture_failures": stats["capture_failures"]})
     for rec in stats.get("capture_records", []):
         rep.capture.append({"part": part, **rec})
     if cuda() and not rep.dry_run:

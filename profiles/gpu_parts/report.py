@@ -15,7 +15,7 @@ OK, FAILED, INCOMPLETE = "ok", "FAILED", "INCOMPLETE"
 EXIT_CODES = {"passed": 0, FAILED: 1, INCOMPLETE: 2}
 # Dense BF16 tensor-core peak assumed for the H200 (SXM; same GH100 tensor cores as H100 SXM).
 PEAK_BF16_TFLOPS = 989.0
-LISTS = ("checks", "kernel_perf", "timings", "cp", "fp8_perf", "capture")
+LISTS = ("checks", "kernel_perf", "timings", "cp", "fp8_perf", "capture", "kernel_choices")
 
 
 class Report:
@@ -33,6 +33,7 @@ class Report:
         self.cp: list[dict] = []
         self.fp8_perf: list[dict] = []
         self.capture: list[dict] = []               # per-bucket capture time and memory
+        self.kernel_choices: list[dict] = []        # per engine: the kernel each op chose, and why
         self.aims: list[dict] = []
         self.info: dict[str, Any] = {}
         self.cuts: list[str] = []                   # work this part left out for its time budget

@@ -32,7 +32,7 @@ def markdown(rep: Report) -> str:
            f"- {run}; elapsed {rep.elapsed():.0f} s of a {rep.budget_s:.0f} s budget; "
            f"bf16 peak assumed {PEAK_BF16_TFLOPS:.0f} TFLOP/s (H200 SXM dense)"]
     out += _preflight(rep) + _parts(rep) + _checks(rep) + _kernels(rep) + _fp8(rep)
-    out += _latency(rep) + _capture(rep) + _cp(rep) + _aims(rep)
+    out += _latency(rep) + _capture(rep) + _cp(rep) + _choices(rep) + _aims(rep)
     verdict, why = rep.reasons()
     out += ["", f"**Overall: {verdict}** (pre-flight, parts and correctness; aims are reported, "
             "not enforced)", ""]
@@ -119,6 +119,18 @@ def _cp(rep: Report) -> list[str]:
     return _table("CP=2 zigzag (two rank processes sharing one device) vs CP=1",
                   ["shape", "mode", "bucket", "per-rank tokens", "max rel err vs CP=1", "eager ms",
                    "graph ms"], rows, 4)
+
+
+def _choices(rep: Report) -> list[str]:
+    """The kernel each engine's ops chose; a torch form standing in for a Triton one says why."""
+    rows = [[c["part"], c["engine"], c["attention"],
+             "; ".join(f"{op}: {why}" for op, why in c["ops"].items()) or "none probed (CPU)",
+             ", ".join(str(b) for b in c.get("capture_failures", {})) or ""]
+            for c in rep.kernel_choices]
+    if not rows:
+        return []
+    return _table("Kernels chosen per engine (probed layer ops: triton, or torch and why)",
+                  ["part", "engine", "attention", "layer ops", "buckets failed"], rows)
 
 
 def _aims(rep: Report) -> list[str]:

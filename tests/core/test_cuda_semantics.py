@@ -244,8 +244,10 @@ def test_one_rank_capture_failure_keeps_collectives_matched(checkpoint, oracle, 
         assert r["mode"] == "eager" and "bucket 32 failed to capture" in r["reason"]
         assert "bucket 64 failed to capture" in r["larger_reason"]
         assert r["small_mode"] == "graph" and r["small_bucket"] == 16
-    assert "another rank failed" in r0["failures"]["32"]        # stats are rank 0's: its own capture passed
-    assert "another rank's eager warmup failed" in r0["failures"]["64"]
+    assert r0["failures"] == r1["failures"], "every rank reads the failing rank's own error"
+    assert r0["failures"]["32"] == "rank 1 of 2: injected: capture failed on rank 1 only"
+    assert r0["failures"]["64"] == ("rank 1 of 2: the eager warmup failed: RuntimeError: "
+                                    "injected: CUDA out of memory on rank 1 only")
     for i, ids in enumerate([list(range(3, 40)), [(7 * i) % 200 for i in range(1, 25)]]):
         ref, _ = oracle(checkpoint, ids)
         assert rel_err(torch.tensor(r0["logits"][i]), ref) <= 1e-4

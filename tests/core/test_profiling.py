@@ -43,13 +43,13 @@ def test_gpu_check_dry_run(tmp_path):
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "profiles", "gpu_check.py"),
                            "--dry-run", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=700, env=env, cwd=REPO)
+                          timeout=950, env=env, cwd=REPO)
     assert proc.returncode == 2, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "exit 2 (INCOMPLETE)" in proc.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] and report["verdict"] == "INCOMPLETE" and not report["failed"]
     assert report["why"] == ["part b: not run: needs CUDA (dry run)"]
-    assert list(report["parts"]) == ["f", "a", "c", "d", "g", "e", "b"]       # dirty pool first
+    assert list(report["parts"]) == ["f", "a", "c", "d", "h", "g", "e", "i", "b"]  # dirty pool first
     assert all(p["status"] == "ok" for k, p in report["parts"].items() if k != "b"), report["parts"]
     assert all(c["ok"] for c in report["checks"]) and report["checks"]
     names = {c["check"] for c in report["checks"]}
@@ -62,5 +62,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert any("vs fp32" in n for n in names)
     assert {t["shape"] for t in report["timings"]} == {"1x16", "2x24"}
     assert {c["part"] for c in report["capture"]} == {"c", "d", "f"}
+    assert {c["part"] for c in report["kernel_choices"]} == {"c", "d", "h"}
+    assert any(n.startswith("graph pool dirtied") for n in names)
     md = (tmp_path / "gpu_check.md").read_text()
     assert md.startswith("# graphcp GPU check") and "**Overall: INCOMPLETE**" in md

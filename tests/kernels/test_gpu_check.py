@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from gpu_parts import PARTS, Part, orchestrate, preflight
+from gpu_parts import PARTS, Part, families, orchestrate, preflight
 from gpu_parts.report import FAILED, INCOMPLETE, OK, Report
 from testkit.paths import REPO
 
@@ -81,10 +81,10 @@ def test_run_parts_skips_what_the_budget_cannot_fit(monkeypatch):
     monkeypatch.setattr(orchestrate, "run_child", lambda rep, part, name, driver, workdir, budget: (
         ran.append((part.key, budget)), rep.set_part(part.key, name, OK, "")))
     rep = Report(dry_run=False, budget_s=100)
-    rep.t0 -= 350                                 # 350 s into a 400 s run: 50 s left
+    rep.t0 -= 360                                 # 360 s into a 400 s run: 40 s left
     orchestrate.run_parts(rep, "fcb", "driver", "workdir", run_budget_s=400)
-    assert [k for k, _ in ran] == ["f", "b"]      # c needs half its 130 s budget: not started
-    assert 49 < ran[0][1] <= 50 and ran[1][1] == 45     # f is capped by what is left of the run
+    assert [k for k, _ in ran] == ["f", "b"]      # c needs half its 110 s budget: not started
+    assert 39 < ran[0][1] <= 40 and ran[1][1] == 30     # f (45 s) is capped by what is left
     assert rep.parts["c"]["status"] == INCOMPLETE and "time budget" in rep.parts["c"]["note"]
     assert rep.parts["a"]["note"] == "not selected (--parts)"
     assert list(rep.parts) == [p.key for p in PARTS]   # reported in run order, dirty pool first
@@ -262,3 +262,83 @@ def test_per_bucket_memory_is_this_process_not_the_device(two_gpus, monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 << 30)
     assert profiling.process_memory(torch.device("cuda", 1)) == 5 << 30     # NVML would say 80 GiB
     assert profiling.process_memory(torch.device("cpu")) > 0                 # resident memory
+
+
+# -- part h: a tiny engine per family; part f: the dirtied pool ------------------------------------
+def test_per_row_error_sees_a_wrong_far_row():
+    """A request whose logits are small is wrong by half its own scale: the batch-wide relative
+    error (and a 2e-2 absolute tolerance) pass it, the per-row error does not."""
+    from gpu_parts.common import rel_err
+    from gpu_parts.families import row_rel_err
+    want = torch.stack([torch.linspace(-100, 100, 50), torch.linspace(-0.01, 0.01, 50)])
+    got = want.clone()
+    got[1, -1] += 0.005
+    assert rel_err(got, want) < 1e-4 and (got - want).abs().max() < 2e-2
+    assert row_rel_err(got, want) == pytest.approx(0.5)
+
+
+@pytest.fixture(scope="module")
+def family_workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("families"))
+
+
+@pytest.mark.parametrize("family", [f.name for f in families.FAMILIES])
+def test_each_family_case_runs_on_cpu(family, family_workdir):
+    """Each family's case through the engine (graphs, CP, EP, FP8 as on the GPU) against its fp32
+    reference, per row: every check within tolerance, the kernels recorded."""
+    fam = next(f for f in families.FAMILIES if f.name == family)
+    rep = Report(dry_run=True, budget_s=600)
+    families.run_family(rep, fam, family_workdir, 1e-4)
+    assert rep.checks and all(c["ok"] for c in rep.checks), rep.checks
+    assert rep.checks[0]["value"] <= 1e-4 and rep.checks[0]["metric"] == "worst row rel err"
+    assert rep.kernel_choices[0]["engine"] == family and rep.kernel_choices[0]["attention"]
+
+
+def test_a_wrong_family_result_fails(family_workdir, monkeypatch):
+    """One request's logits off by 1e-3 of its row (the engine's output, not the reference's): the
+    family check fails."""
+    real = families._logits
+
+    def wrong_case(args, batch, force_eager):
+        logits, stats, out = real(args, batch, force_eager)
+        if not force_eager:              # the case, not its reference
+            logits = logits.clone()
+            logits[-1] += 1e-3 * logits[-1].abs().max()
+        return logits, stats, out
+
+    monkeypatch.setattr(families, "_logits", wrong_case)
+    rep = Report(dry_run=True, budget_s=600)
+    fam = next(f for f in families.FAMILIES if f.name.startswith("FP8 dense"))
+    families.run_family(rep, fam, family_workdir, 1e-4)
+    assert not rep.checks[0]["ok"] and rep.checks[0]["value"] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_dirty_pool_part_dirties_the_pool(tmp_path):
+    """Part f sets every byte of the replay pool to 0xFF (NaN) before each replay, reads it back,
+    and the graphs still equal eager."""
+    from gpu_parts import dirty_pool
+    rep = Report(dry_run=True, budget_s=600)
+    dirty_pool.run(rep, str(tmp_path))
+    dirtied = [c for c in rep.checks if c["check"].startswith("graph pool dirtied")]
+    assert len(dirtied) == 2 and all(c["ok"] and c["pool_bytes"] > 0 for c in dirtied)
+    assert all(c["ok"] for c in rep.checks), rep.checks
+
+
+def test_a_failed_probe_is_recorded_not_only_logged():
+    """A Triton layer op whose start-up probe fails serves in its torch form, and the choices say
+    so, with the reason (the engine's stats and gpu_check's report read ``report``)."""
+    from graphcp.kernels.registry import KernelChoices
+
+    def raising(fn):
+        raise RuntimeError("no kernel image for sm_90a")
+
+    choices = KernelChoices()
+    x = torch.randn(4, 8)
+    assert not choices.probe("rope", raising, lambda: x, torch.float32)
+    assert choices.probe("rms_norm", lambda fn: (x * 2, x), lambda: (x * 2, x), torch.float32)
+    report = choices.report()
+    assert report["rms_norm"] == "triton"
+    assert report["rope"] == ("torch (failed its first call (RuntimeError: no kernel image for "
+                              "sm_90a))")
+    assert choices.probe("rope", lambda fn: x, lambda: x, torch.float32)
+    assert choices.report()["rope"] == "triton"
