@@ -64,7 +64,7 @@ class ModelRunner:
                                     self.dtype)
         layout = make_strategy(args.resolved_cp_strategy, args.cp_size)       # the flags' layout
         self.attention = attention.build(cfg, args, self.device, self.dtype, par.layers,
-                                         layout.bottom_right_causal)
+                                         layout.bottom_right_causal, self.kernels)
         # Only the logit rows of the last layer's output are read: it runs for them alone. Every
         # rank of a layer communicator then brings the same number of rows (one per request of the
         # one batch); DP groups' batches differ, and expert parallelism routes rows of its own.

@@ -87,9 +87,11 @@ class AttentionBackend:
 
 
 def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch.dtype, layers: range,
-          bottom_right: bool) -> AttentionBackend:
+          bottom_right: bool, choices: KernelChoices | None = None) -> AttentionBackend:
     """The attention of a rank holding ``layers``: ``bottom_right`` False where the layout gives per-token
-    causal limits (interleave), which some kernels do not take."""
+    causal limits (interleave), which some kernels do not take. ``choices`` records a CUDA ``auto``
+    choice that fell back to torch (the kernel-choice report)."""
+    record = choices.record if choices is not None else None
     atp, kinds = args.attn_tp_size, layer_kinds(cfg, layers)
     needed = {op for kind in kinds.values() for op in kind.kernels}     # resolve (and probe) only those
     kernel = windowed = KERNELS["torch"]
@@ -98,7 +100,7 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
         heads = (cfg.num_attention_heads // atp, cfg.kv_heads_per_rank(atp))
         choose = functools.partial(resolve_kernel, device=device, dtype=dtype,
                                    head_dim=cfg.head_dim, bottom_right=bottom_right, heads=heads,
-                                   page_size=args.page_size)
+                                   page_size=args.page_size, record=record)
         kernel = KERNELS[choose(args.attention_kernel)]
         # Sliding-window and sink layers (which a model shows only when it calls): a kernel that
         # cannot serve them is refused for those layers, an explicit flashinfer included.
@@ -109,7 +111,7 @@ def build(cfg: ModelConfig, args: EngineArgs, device: torch.device, dtype: torch
                                                              args.page_size, bottom_right, True))
             log.info("graphcp: sliding-window and sink layers attend with the %s kernel (%s %s)",
                      windowed.name, kernel.name, reason or "failed its check with them")
-    dsa = resolve_dsa(args.attention_kernel, device) if "dsa" in needed else None
+    dsa = resolve_dsa(args.attention_kernel, device, record) if "dsa" in needed else None
     split = args.resolved_backend() == "flashattention"
     # A PD transfer, a layer split or KV sharding (the pages' owners) reads every cached row: their
     # sliding layers gather everything.

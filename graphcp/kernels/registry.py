@@ -211,6 +211,12 @@ class KernelChoices:
     def __init__(self) -> None:
         self.fns: dict[str, Callable | None] = {}
         self.fallbacks: dict[str, str] = {}    # op -> why its torch form serves (a failed probe)
+        self.resolved: dict[str, str] = {}     # attention / DSA kernels resolved to torch on CUDA
+
+    def record(self, op: str, why: str) -> None:
+        """A kernel chosen outside ``probe`` (attention ``auto``, the DSA pair) that fell back to its
+        torch form on CUDA: a row of the report, not only a log line."""
+        self.resolved[op] = f"torch ({why})"
 
     def probe(self, op: str, run: Callable[[Callable], Any], reference: Callable[[], Any],
               dtype: torch.dtype, head_dim: int = 0) -> bool:
@@ -239,8 +245,9 @@ class KernelChoices:
     def report(self) -> dict[str, str]:
         """Each probed op's kernel: "triton", or "torch (<why the Triton form failed>)"."""
         why = self.fallbacks
-        return {op: "triton" if fn is not None else f"torch ({why.get(op, 'not probed')})"
-                for op, fn in self.fns.items()}
+        ops = {op: "triton" if fn is not None else f"torch ({why.get(op, 'not probed')})"
+               for op, fn in self.fns.items()}
+        return {**ops, **self.resolved}
 
     def get(self, op: str) -> Callable | None:
         return self.fns.get(op)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -126,34 +127,48 @@ def _dsa_errors(kernels: ModuleType, device: torch.device, dtype: torch.dtype) -
     return None if why is None else f"sparse attention {why}"
 
 
-@functools.cache
-def resolve_dsa(requested: str, device: torch.device) -> ModuleType:
+def resolve_dsa(requested: str, device: torch.device,
+                record: Callable[[str, str], None] | None = None) -> ModuleType:
     """``indexer_scores`` and ``sparse_mla``: Triton on CUDA (auto) or when asked (the interpreter on
     CPU); the torch forms otherwise. On CUDA the Triton pair is checked once in fp32 and bf16; one that
-    fails or disagrees is replaced by the torch pair with a warning."""
+    fails or disagrees is replaced by the torch pair with a warning, and ``record("dsa", why)``."""
+    kernels, why = _dsa_choice(requested, device)
+    if why is not None and record is not None:
+        record("dsa", why)
+    return kernels
+
+
+@functools.cache
+def _dsa_choice(requested: str, device: torch.device) -> tuple[ModuleType, str | None]:
     wants = requested == "triton" or (requested == "auto" and device.type == "cuda")
-    if not wants or triton_unusable(device) is not None:
-        return dsa_torch
+    unusable = triton_unusable(device) if wants else None
+    if not wants or unusable is not None:
+        return dsa_torch, unusable if device.type == "cuda" else None
     from graphcp.kernels import triton_dsa
     if device.type != "cuda":
-        return triton_dsa
+        return triton_dsa, None
     for dtype in (torch.float32, torch.bfloat16):
-        why = _dsa_errors(triton_dsa, device, dtype)
+        try:
+            why = _dsa_errors(triton_dsa, device, dtype)
+        except Exception as e:      # the check's own inputs could not be made on the device
+            why = f"could not be checked ({type(e).__name__}: {str(e)[:200]})"
         if why is not None:
             log.warning("graphcp: the Triton DSA kernels (%s): %s; using the torch kernels", dtype, why)
-            return dsa_torch
-    return triton_dsa
+            return dsa_torch, f"{dtype}: {why}"
+    return triton_dsa, None
 
 
 def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                    bottom_right: bool = True, heads: tuple[int, int] | None = None,
-                   page_size: int = 16, window_or_sinks: bool = False) -> str:
+                   page_size: int = 16, window_or_sinks: bool = False,
+                   record: Callable[[str, str], None] | None = None) -> str:
     """The kernel behind the attention backend. An explicit choice that cannot serve is a ConfigError
     naming the flag; ``auto`` takes flashinfer where it is installed, fits and passes its check, then
     Triton on CUDA, then torch. ``bottom_right`` is False for interleave, whose per-token causal limits
     flashinfer does not take. With ``heads`` (query, KV heads on this rank), a flashinfer or CUDA Triton
     choice is first checked with one small call against the torch kernel. ``window_or_sinks``: the
-    kernel of layers with a sliding window or attention sinks (checked with both)."""
+    kernel of layers with a sliding window or attention sinks (checked with both). ``record(op, why)``
+    hears an ``auto`` choice on CUDA that fell back to torch (a row in the kernel-choice report)."""
     import importlib
     ctx = KernelContext(device, dtype, head_dim, heads, page_size, bottom_right, window_or_sinks)
     fi = importlib.import_module(KERNELS["flashinfer-paged"].module)
@@ -192,6 +207,8 @@ def resolve_kernel(requested: str, device: torch.device, dtype: torch.dtype, hea
     if why is None:
         return "triton"
     log.warning("graphcp: attention kernel auto: the Triton kernel %s; using the torch kernel", why)
+    if record is not None:
+        record("attention_windowed" if window_or_sinks else "attention", why)
     return "torch"
 
 
