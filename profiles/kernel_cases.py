@@ -48,7 +48,7 @@ def attention(mock) -> Iterator[Case]:
     # sinks: gpt-oss's layers (sink logits, a 128-token window); else a full causal layer
     for dtype, d, rows, wide, sinks in itertools.product(DTYPES, ATTENTION_HEAD_DIMS, ROWS,
                                                          (False, True), (False, True)):
-        t = triton_attention.attention_tiles(rows, d, dtype)
+        t = triton_attention.attention_tiles(rows, d, dtype, windowed=sinks)
         x = mock(dtype)
         args = dict(Q=x, KP=x, VP=x, CU=mock(I64), PR=mock(I64), LIM=mock(I64), OUT=x,
                     SINKS=mock(torch.float32) if sinks else x, window=128 if sinks else 0,

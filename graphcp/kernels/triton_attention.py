@@ -207,7 +207,8 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> AttentionTiles:
+def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype,
+                    windowed: bool = False) -> AttentionTiles:
     """The CUDA tiling for ``rows`` local query rows: the batch's real (padded) row count eagerly,
     the bucket in a graph (which serves batches of more than half its rows), never a sequence
     capacity.
@@ -217,12 +218,16 @@ def attention_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> AttentionTi
     the reduced dimension per thread: 32 x 16 tiles over 8 warps are the largest that fit.
     A 256-wide tile (head_dim 192, 256) holds twice the accumulator per row: bf16/fp16 take
     ``TILES_256`` (32-key blocks, 8 warps at either row count; 64 rows over 4 warps would spill),
-    fp32's FMA tiles fit as they are. Every choice assembles without register
-    spills for sm_90a (``profiles/kernel_report.py``); the GPU sweep in ``profiles/gpu_check.py``
-    times them."""
+    fp32's FMA tiles fit as they are. ``windowed`` (a sliding window or sinks: a third, masked key
+    loop) takes smaller tiles where the device's Triton 3.6 spilled the plain ones: fp32 16 x 16
+    over 4 warps, 256-wide bf16/fp16 16-key blocks under 2048 rows. Every choice assembles without
+    register spills for sm_90a under Triton 3.6 and 3.9 (``profiles/kernel_report.py``); the GPU
+    sweep in ``profiles/gpu_check.py`` times them."""
     if dtype == torch.float32:
-        return AttentionTiles(32, 16, 8, 2)
+        return AttentionTiles(16, 16, 4, 2) if windowed else AttentionTiles(32, 16, 8, 2)
     if block_d(head_dim) > 128:
+        if windowed and rows < 2048:
+            return AttentionTiles(64, 16, 8, 2)
         return AttentionTiles(*TILES_256[rows >= 2048])
     if rows < 2048:
         return AttentionTiles(64, 64, 4, 3)
@@ -257,7 +262,8 @@ def triton_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if T == 0:
         return out
     # interpreter: small tiles keep numpy work low on short sequences
-    bm, bn, warps, stages = (attention_tiles(T, D, q.dtype) if q.device.type == "cuda"
+    windowed = window > 0 or sinks is not None
+    bm, bn, warps, stages = (attention_tiles(T, D, q.dtype, windowed) if q.device.type == "cuda"
                              else AttentionTiles(16, 16, 1, 1))
     bm, bn = block_m or bm, block_n or bn
     warps, stages = num_warps or warps, num_stages or stages

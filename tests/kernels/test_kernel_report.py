@@ -3,6 +3,7 @@ bundled ptxas reports registers and spills. The test compiles the first configur
 kernel; the full report (every configuration, a few minutes) is run by hand."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -60,8 +61,10 @@ def test_configs_come_from_the_tile_functions(report):
                   c["num_stages"]) for c in configs["attention"]}
     for rows in DEFAULT_BUCKETS["cuda"]:
         for d in (32, 64, 80, 96, 128, 192, 256):       # every family's full-attention head dim
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                key = (str(dtype).removeprefix("torch."), d, *attention_tiles(rows, d, dtype))
+            for dtype, windowed in itertools.product((torch.bfloat16, torch.float16,
+                                                      torch.float32), (False, True)):
+                key = (str(dtype).removeprefix("torch."), d,
+                       *attention_tiles(rows, d, dtype, windowed))
                 assert key in attention
     from graphcp.kernels.triton_mla import mla_prefill_tiles
     mla = {(c["dtype"], c["block_h"], c["block_t"], c["block_n"]) for c in configs["mla_prefill"]}

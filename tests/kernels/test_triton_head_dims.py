@@ -123,6 +123,13 @@ def test_tiles_per_head_dim():
         assert attention_tiles(rows, 256, torch.bfloat16).block_n == 32
         assert attention_tiles(rows, 256, torch.bfloat16).num_warps == 8
     assert attention_tiles(8192, 256, torch.float32) == attention_tiles(8192, 128, torch.float32)
+    # windowed / sink layers: smaller tiles where Triton 3.6 spilled (kernel report under 3.6)
+    assert attention_tiles(512, 128, torch.float32, windowed=True) == (16, 16, 4, 2)
+    assert attention_tiles(512, 256, torch.bfloat16, windowed=True).block_n == 16
+    assert attention_tiles(8192, 256, torch.bfloat16, windowed=True) == \
+        attention_tiles(8192, 256, torch.bfloat16)
+    assert attention_tiles(512, 128, torch.bfloat16, windowed=True) == \
+        attention_tiles(512, 128, torch.bfloat16)
 
 
 def test_resolve_picks_triton_on_cuda_for_every_family_head_dim(monkeypatch):
