@@ -61,9 +61,12 @@ def _indexer_kernel(Q, W, KEYS, SLOTS, ROW_SEQ, LIMITS, OUT, heads, dim, num_key
 def indexer_tiles(heads: int, dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_D, BLOCK_K, num_warps): every head and the whole key width in one tile, over
     128 keys a program (the row's queries load once per 128 keys), 8 warps. fp32 dots run on the
-    FMA units, whose operand layouts hold a whole key row per thread: 32 keys a program."""
-    return (max(16, triton.next_power_of_2(heads)), max(16, triton.next_power_of_2(dim)),
-            32 if dtype == torch.float32 else 128, 8)
+    FMA units, whose operand layouts hold a whole key row per thread: 32 keys a program, 16 from 64
+    heads (V3.2's 64 index heads spilled 236 bytes at 32 under the device's Triton 3.6)."""
+    block_h = max(16, triton.next_power_of_2(heads))
+    fp32_keys = 16 if block_h >= 64 else 32
+    return (block_h, max(16, triton.next_power_of_2(dim)),
+            fp32_keys if dtype == torch.float32 else 128, 8)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
