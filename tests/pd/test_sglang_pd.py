@@ -283,12 +283,15 @@ def test_mla_into_decode(engines, decode, mla_paths, tmp_path):
 
 
 def test_sharded_cp2_zigzag_into_decode(checkpoint, engines, decode, oracle, tmp_path):
-    """KV sharding (CP 2 zigzag in graphs): the bootstrap server publishes
-    enable_kv_cache_sharding, SGLang's decode pulls from both CP ranks and each writes the pages it
-    owns; a request longer than one rank's pool arrives whole, bitwise the gathered cache."""
+    """KV sharding (CP 2 zigzag in graphs x attention TP 2, one KV head each): the bootstrap
+    server publishes enable_kv_cache_sharding, SGLang's decode (TP 1) pulls from every CP rank and
+    each writes its head of the pages it owns; a request longer than one rank's pool arrives whole,
+    bitwise the gathered cache."""
     engine = engines.get(
         checkpoint,
-        **cp_kwargs(2, "zigzag", cuda_graph_buckets=[64, 128], max_total_tokens=128),
+        **{**cp_kwargs(2, "zigzag"), "tp_size": 4},
+        cuda_graph_buckets=[64, 128],
+        max_total_tokens=128,
         disaggregation_mode="prefill",
         enable_kv_cache_sharding=True,
         disaggregation_bootstrap_port=free_port(),
@@ -298,7 +301,7 @@ def test_sharded_cp2_zigzag_into_decode(checkpoint, engines, decode, oracle, tmp
         [Request("s", ids, bootstrap_room=7008, sampling_params={"temperature": 0})]
     )
     assert out.cp_applied and out.mode == "graph", out.eager_reason
-    assert engine.stats()["kv_pages_used_per_rank"] == [5, 5]
+    assert engine.stats()["kv_pages_used_per_rank"] == [5] * 4  # (cp, attention tp) ranks
     ours = engine.kv_cache("s")
     reply = decode.ask(
         op="receive",
@@ -313,7 +316,7 @@ def test_sharded_cp2_zigzag_into_decode(checkpoint, engines, decode, oracle, tmp
     _check_dense(got, ours, oracle(checkpoint, ids)[1], len(ids))
     assert got["aux"]["output_id"] == out.next_token_ids[0] and got["aux"]["room"] == 7008
     _all_free(engine)
-    assert engine.stats()["kv_pages_used_per_rank"] == [0, 0]
+    assert engine.stats()["kv_pages_used_per_rank"] == [0] * 4
 
 
 def test_geometry_mismatch_is_refused_naming_the_dtype(checkpoint, engines, decode, tmp_path):

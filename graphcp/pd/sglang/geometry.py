@@ -191,10 +191,10 @@ def rank_writes(
     first, last = target.prefix_len // ps, -(-tokens // ps)
     src = np.asarray(src_pages[first:last], dtype=np.int64)
     dst = np.asarray(target.pages, dtype=np.int64)
-    index = np.arange(len(src), dtype=np.int64)  # each page's place past the decode's prefix
+    places = np.arange(len(src), dtype=np.int64)  # each page's place past the decode's prefix
     if owned is not None:
         keep = np.asarray(owned[first:last], dtype=bool)
-        src, dst, index = src[keep], dst[keep], index[keep]
+        src, dst, places = src[keep], dst[keep], places[keep]
     whole_dst = len(target.kv_ptrs) == geo.entries_per_layer * geo.num_layers
     dst_heads = geo.decode_heads(target.dst_tp_rank, target.dst_tp_size)
     heads = range(max(my_heads.start, dst_heads.start), min(my_heads.stop, dst_heads.stop))
@@ -218,7 +218,7 @@ def rank_writes(
                     ptr,
                     src,
                     dst,
-                    index,
+                    places,
                     tokens - target.prefix_len,
                     ps,
                     row_bytes,
@@ -252,7 +252,7 @@ def _head_slices(
     dst_base: int,
     src: np.ndarray,
     dst: np.ndarray,
-    index: np.ndarray,
+    places: np.ndarray,
     tokens: int,
     ps: int,
     src_token: int,
@@ -261,11 +261,11 @@ def _head_slices(
     dst_offset: int,
     length: int,
 ) -> None:
-    """One write per token of the pages given (``index``: their places among the ``tokens`` past
+    """One write per token of the pages given (``places``: their places among the ``tokens`` past
     the decode's prefix): this rank's slice of the shared heads into the decode rank's row."""
-    token = (index[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+    token = (places[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
     token = token[token < tokens]
-    page, slot = np.searchsorted(index, token // ps), token % ps
+    page, slot = np.searchsorted(places, token // ps), token % ps
     out[0].extend((src_base + (src[page] * ps + slot) * src_token + src_offset).tolist())
     out[1].extend((dst_base + dst[page] * ps * dst_token + slot * dst_token + dst_offset).tolist())
-    out[2].extend([length] * tokens)
+    out[2].extend([length] * len(token))
