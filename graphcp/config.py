@@ -163,9 +163,7 @@ class EngineArgs:
                               "shards the KV pages over the CP group)")
         refused = (("--pp > 1", self.pp_size > 1), ("--dp > 1", self.dp_size > 1),
                    ("--enable-dsa-cache-layer-split", self.enable_dsa_cache_layer_split),
-                   ("--enable-adaptive-cp", self.enable_adaptive_cp),
-                   ("--disaggregation-bootstrap-port (SGLang's PD protocol)",
-                    self.disaggregation_bootstrap_port is not None))
+                   ("--enable-adaptive-cp", self.enable_adaptive_cp))
         for what, bad in refused:
             if bad:
                 raise ConfigError(f"{flag} does not combine with {what}; drop one of them")

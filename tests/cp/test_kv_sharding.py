@@ -80,10 +80,12 @@ def test_flag_refuses_what_it_does_not_shard(checkpoint):
     base = dict(model_path=checkpoint, enable_kv_cache_sharding=True)
     with pytest.raises(ConfigError, match="--enable-kv-cache-sharding"):
         EngineArgs(**base)                                   # no CP group
-    for extra in (dict(pp_size=2), dict(enable_adaptive_cp=True),
-                  dict(disaggregation_mode="prefill", disaggregation_bootstrap_port=8998)):
+    for extra in (dict(pp_size=2), dict(enable_adaptive_cp=True)):
         with pytest.raises(ConfigError, match="--enable-kv-cache-sharding"):
             EngineArgs(**base, **cp_kwargs(2), **extra)
+    # SGLang's PD protocol serves it (tests/pd/test_sglang_pd.py)
+    EngineArgs(**base, **cp_kwargs(2), disaggregation_mode="prefill",
+               disaggregation_bootstrap_port=8998)
     args = EngineArgs.from_cli(["--model-path", checkpoint, "--tp", "2", "--attn-cp-size", "2",
                                 "--enable-prefill-cp", "--cp-strategy", "zigzag",
                                 "--enable-kv-cache-sharding"])

@@ -282,6 +282,43 @@ def test_mla_into_decode(engines, decode, mla_paths, tmp_path):
     _all_free(engine)
 
 
+def test_sharded_cp2_zigzag_into_decode(checkpoint, engines, decode, oracle, tmp_path):
+    """KV sharding (CP 2 zigzag in graphs x attention TP 2, one KV head each): the bootstrap
+    server publishes enable_kv_cache_sharding, SGLang's decode (TP 1) pulls from every CP rank and
+    each writes its head of the pages it owns; a request longer than one rank's pool arrives whole,
+    bitwise the gathered cache."""
+    engine = engines.get(
+        checkpoint,
+        **{**cp_kwargs(2, "zigzag"), "tp_size": 4},
+        cuda_graph_buckets=[64, 128],
+        max_total_tokens=128,
+        disaggregation_mode="prefill",
+        enable_kv_cache_sharding=True,
+        disaggregation_bootstrap_port=free_port(),
+    )
+    ids = random_ids(150, VOCAB, 27)  # 10 pages of 16: one rank's pool holds 8
+    out = engine.prefill(
+        [Request("s", ids, bootstrap_room=7008, sampling_params={"temperature": 0})]
+    )
+    assert out.cp_applied and out.mode == "graph", out.eager_reason
+    assert engine.stats()["kv_pages_used_per_rank"] == [5] * 4  # (cp, attention tp) ranks
+    ours = engine.kv_cache("s")
+    reply = decode.ask(
+        op="receive",
+        decode="dense",
+        bootstrap=_bootstrap(engine),
+        room=7008,
+        tokens=len(ids),
+        out=str(tmp_path / "s.pt"),
+    )
+    assert reply == {"status": "success", "touched_outside": 0}
+    got = torch.load(tmp_path / "s.pt")
+    _check_dense(got, ours, oracle(checkpoint, ids)[1], len(ids))
+    assert got["aux"]["output_id"] == out.next_token_ids[0] and got["aux"]["room"] == 7008
+    _all_free(engine)
+    assert engine.stats()["kv_pages_used_per_rank"] == [0] * 4
+
+
 def test_geometry_mismatch_is_refused_naming_the_dtype(checkpoint, engines, decode, tmp_path):
     """A decode whose pool is fp16 (SGLang's own resolution of this fp32 checkpoint) against
     graphcp's fp32: refused, the reason names the dtype, nothing is written, the pages are freed."""

@@ -11,9 +11,11 @@ the endpoint that got it once no write to the room is in flight.
 
 Which endpoints a decode contacts: every attention-TP rank whatever the decode's TP (SGLang maps
 each decode rank to one or more of them), every pipeline stage, all CP ranks when the layers are
-split over them (registered as ``enable_dsa_cache_layer_split``) else CP rank 0 only, and the DP
-rank ``room % dp_size`` (``follow_bootstrap_room``). That DP rank is a label: the DP group that
-holds the request writes it.
+split over them (registered as ``enable_dsa_cache_layer_split``) or the pages are (KV sharding,
+registered as ``enable_kv_cache_sharding``: each CP rank writes the pages it owns) else CP rank 0
+only, and the DP rank ``room % dp_size`` (``follow_bootstrap_room``). That DP rank is a label: the
+DP group that holds the request writes it. Every contacted endpoint sends the aux row and its
+Success, as SGLang's sharded prefill does: the decode counts one response per CP rank.
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ class PrefillControl:
         dp_size: int,
         cp_size: int,
         layer_split: bool,
+        kv_sharding: bool,
         host: str,
         port: int,
         transfer: Callable[[str, list[Target]], list],
         release: Callable[[str], None],
     ) -> None:
         self.geo, self.dp_size, self.cp_size, self.host = geo, dp_size, cp_size, host
-        self.pp_size, self.layer_split = len(geo.stages), layer_split
+        self.pp_size = len(geo.stages)
+        self.all_cp_ranks = layer_split or kv_sharding  # every CP rank holds part of the KV
         self.transfer, self.release = transfer, release
         self.rooms: dict[int, Room] = {}
         self.by_rid: dict[str, int] = {}
@@ -88,7 +92,7 @@ class PrefillControl:
             "kv_cache_dtype": None,
             "follow_bootstrap_room": True,
             "enable_dsa_cache_layer_split": layer_split,
-            "enable_kv_cache_sharding": False,
+            "enable_kv_cache_sharding": kv_sharding,
             "decode_allocation_policy": "early",
         }
         try:
@@ -237,7 +241,7 @@ class PrefillControl:
 
     # -- the worker ------------------------------------------------------------------------------
     def _expected(self, room: Room) -> list[Rank]:
-        cps = range(self.cp_size) if self.layer_split else range(1)
+        cps = range(self.cp_size) if self.all_cp_ranks else range(1)
         return [
             (room.dp_label, c, t, p)
             for c in cps

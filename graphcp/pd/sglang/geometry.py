@@ -179,19 +179,28 @@ def rank_writes(
     src_pages: np.ndarray,
     tokens: int,
     target: Target,
+    owned: np.ndarray | None = None,
 ) -> tuple[list, list, list]:
     """(source, destination, length) of every write of ``layers`` to ``target``, read in place from
-    this rank's pool (``parts_of(layer)``: its ``[slots, ...]`` tensors) over ``src_pages``. Pages
-    whose rows this rank holds whole are written whole (the last may carry unused slots of the
-    request's own page); other pages token by token, the heads both ranks hold."""
+    this rank's pool (``parts_of(layer)``: its ``[slots, ...]`` tensors) over ``src_pages`` (the
+    request's pages in this pool's numbering). Pages whose rows this rank holds whole are written
+    whole (the last may carry unused slots of the request's own page); other pages token by token,
+    the heads both ranks hold. ``owned`` (KV sharding: a mask over the request's pages) keeps the
+    pages this rank stores; the others are another CP rank's writes."""
     ps = geo.page_size
-    first = target.prefix_len // ps
-    src = np.asarray(src_pages[first : -(-tokens // ps)], dtype=np.int64)
+    first, last = target.prefix_len // ps, -(-tokens // ps)
+    src = np.asarray(src_pages[first:last], dtype=np.int64)
     dst = np.asarray(target.pages, dtype=np.int64)
+    places = np.arange(len(src), dtype=np.int64)  # each page's place past the decode's prefix
+    if owned is not None:
+        keep = np.asarray(owned[first:last], dtype=bool)
+        src, dst, places = src[keep], dst[keep], places[keep]
     whole_dst = len(target.kv_ptrs) == geo.entries_per_layer * geo.num_layers
     dst_heads = geo.decode_heads(target.dst_tp_rank, target.dst_tp_size)
     heads = range(max(my_heads.start, dst_heads.start), min(my_heads.stop, dst_heads.stop))
     out: tuple[list, list, list] = ([], [], [])
+    if not len(src):  # a short request may have no page on this CP rank
+        return out
     for layer in layers:
         index = layer if whole_dst else layer - stage.start
         per_layer = len(target.kv_ptrs) // geo.entries_per_layer
@@ -209,6 +218,7 @@ def rank_writes(
                     ptr,
                     src,
                     dst,
+                    places,
                     tokens - target.prefix_len,
                     ps,
                     row_bytes,
@@ -242,6 +252,7 @@ def _head_slices(
     dst_base: int,
     src: np.ndarray,
     dst: np.ndarray,
+    places: np.ndarray,
     tokens: int,
     ps: int,
     src_token: int,
@@ -250,9 +261,11 @@ def _head_slices(
     dst_offset: int,
     length: int,
 ) -> None:
-    """One write per token: this rank's slice of the shared heads into the decode rank's row."""
-    token = np.arange(tokens, dtype=np.int64)
-    page, slot = token // ps, token % ps
+    """One write per token of the pages given (``places``: their places among the ``tokens`` past
+    the decode's prefix): this rank's slice of the shared heads into the decode rank's row."""
+    token = (places[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+    token = token[token < tokens]
+    page, slot = np.searchsorted(places, token // ps), token % ps
     out[0].extend((src_base + (src[page] * ps + slot) * src_token + src_offset).tolist())
     out[1].extend((dst_base + dst[page] * ps * dst_token + slot * dst_token + dst_offset).tolist())
-    out[2].extend([length] * tokens)
+    out[2].extend([length] * len(token))

@@ -1,5 +1,7 @@
 """One rank's part of an SGLang transfer: the targets addressed to its (cp, attention TP, pipeline)
-rank, written from its pool pages with its Mooncake engine (``KVSender``, the pool registered)."""
+rank, written from its pool pages with its Mooncake engine (``KVSender``, the pool registered).
+Under KV sharding each CP rank writes only the request's pages it stores (SGLang's sharded prefill
+sends the same way: its ``filter_kv_indices_for_shard_rank``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import numpy as np
 
 from graphcp.config import TORCH_DTYPES
 from graphcp.errors import ConfigError, TransferError
+from graphcp.kv.sharding import ShardedPool, local_page, page_owner
 from graphcp.pd.sglang.geometry import Geometry, Target, geometry_for, rank_writes
 
 # ``runner`` below is the rank's ModelRunner (not imported: the runner imports this module).
@@ -46,6 +49,11 @@ def sglang_write(runner, rid: str, targets: list[Target]) -> dict[int, str | Non
     )
     stage = runner.par.layers
     layers = runner.pool.held_layers(stage)
+    pages, owned = np.asarray(state.pages, dtype=np.int64), None
+    if isinstance(runner.pool, ShardedPool):  # the pages this CP rank stores, its own numbers
+        cp = runner.pool.cp_size
+        owned = page_owner(pages, cp) == runner.pool.cp_rank
+        pages = local_page(pages, cp)
     out: dict[int, str | None] = {}
     for i in mine:
         src, dst, lengths = rank_writes(
@@ -54,9 +62,10 @@ def sglang_write(runner, rid: str, targets: list[Target]) -> dict[int, str | Non
             layers,
             stage,
             heads,
-            np.asarray(state.pages),
+            pages,
             state.cached_len,
             targets[i],
+            owned,
         )
         try:
             if src:

@@ -67,6 +67,7 @@ def start_control(
             args.dp_size,
             args.cp_size,
             args.enable_dsa_cache_layer_split,
+            args.enable_kv_cache_sharding,
             local_ip(),
             args.disaggregation_bootstrap_port,
             transfer,
