@@ -179,7 +179,9 @@ class PrefillControl:
             self._stop = True
             self._cond.notify_all()
         for thread in self._threads:
-            thread.join(timeout=5)
+            # a worker that shuts the engine down closes this from its own thread
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         self.bootstrap.close()
         self._close_sockets()
 
