@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# SGLang's own decode-side classes, the reference tests/pd/test_sglang_pd.py checks graphcp's PD protocol
+# SGLang's own decode-side classes, the reference tests/pd/test_sglang_*.py check graphcp's PD protocol
 # against. The version is the protocol: pinned. --no-deps: its metadata pins CUDA torch 2.14 and CUDA
 # packages; only its import closure is installed, torch kept at $(TORCH). Never torchvision: the tests
 # put a stub (tests/scripts/sglang_stubs) on the SGLang subprocess's path only.
