@@ -50,6 +50,29 @@ def _load_rows(ptr, row_ok, d_ok, ROWS: tl.constexpr, PAD_D: tl.constexpr):
 
 
 @triton.jit
+def _tile_segment(CU, S, pid, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Which segment program ``pid`` serves (a sequence of ``cu_seqlens`` ``CU`` in tiles of BLOCK
+    rows, or the padding tail): (seq, q_start, q_end, tile, pid, total_q, total_tiles), seq == S
+    past the sequences. The last tiles go first: in causal rows they see the most keys, so the long
+    work starts early."""
+    s_idx = tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int32)
+    ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int32)
+    tiles = tl.where(s_ok, (ends - starts + BLOCK - 1) // BLOCK, 0)
+    cum = tl.cumsum(tiles, 0)                              # inclusive tile counts per sequence
+    total_q = tl.load(CU + S).to(tl.int32)                 # cu_seqlens_q[-1]
+    total_tiles = tl.sum(tiles, 0)
+    pid = tl.where(pid < total_tiles, total_tiles - 1 - pid, pid)
+    seq = tl.sum((cum <= pid).to(tl.int32), 0)             # first s with cum[s] > pid (S: none)
+    sel = s_idx == seq
+    q_start = tl.sum(tl.where(sel, starts, 0), 0)
+    q_end = tl.sum(tl.where(sel, ends, 0), 0)
+    tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    return seq, q_start, q_end, tile, pid, total_q, total_tiles
+
+
+@triton.jit
 def _key_block(q, m_i, l_i, acc, start, hi, lim, low, pr_row, K_HEAD, V_HEAD, d, d_ok, stride_ks,
                stride_kd, stride_vs, stride_vd, stride_pp, qk_scale, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
@@ -106,28 +129,14 @@ def _paged_attn_kernel(
     pid = tl.program_id(1)
     kv_head = head // GROUP
 
-    # --- which segment (sequence, or the padding tail) this tile belongs to ---------------------
-    s_idx = tl.arange(0, BLOCK_S)
-    s_ok = s_idx < S
-    starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int32)
-    ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int32)
-    tiles = tl.where(s_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    cum = tl.cumsum(tiles, 0)                              # inclusive tile counts per sequence
-    total_q = tl.load(CU + S).to(tl.int32)                 # cu_seqlens_q[-1]
-    total_tiles = tl.sum(tiles, 0)
-    # The last tiles first: in causal rows they see the most keys, so the long work starts early.
-    pid = tl.where(pid < total_tiles, total_tiles - 1 - pid, pid)
-    seq = tl.sum((cum <= pid).to(tl.int32), 0)             # first s with cum[s] > pid (S: none)
+    seq, q_start, q_end, tile, pid, total_q, total_tiles = _tile_segment(CU, S, pid, BLOCK_M,
+                                                                         BLOCK_S)
 
     d = tl.arange(0, BLOCK_D)            # the head dims padded to a power of two
     d_ok = d < HEAD_DIM
     PAD_D = BLOCK_D != HEAD_DIM          # masks on the head dims only where padded
     m_off = tl.arange(0, BLOCK_M)
     if seq < S:
-        sel = s_idx == seq
-        q_start = tl.sum(tl.where(sel, starts, 0), 0)
-        q_end = tl.sum(tl.where(sel, ends, 0), 0)
-        tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
         rows = q_start + tile * BLOCK_M + m_off
         rows = rows.to(tl.int64) if WIDE else rows          # WIDE: row * stride may pass 2**31
         row_ok = rows < q_end

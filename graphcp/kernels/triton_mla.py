@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from graphcp.kernels.mla_torch import MLAArgs
-from graphcp.kernels.triton_attention import _load_rows
+from graphcp.kernels.triton_attention import _load_rows, _tile_segment
 from graphcp.kernels.triton_util import LOG2E, dot_mode, needs_int64
 
 _CHUNK_BYTES = 1 << 30       # absorbed queries + latent outputs of one head chunk, at most
@@ -85,23 +85,9 @@ def _mla_prefill_kernel(
     c_ok = c < LATENT
     r_ok = r < ROPE
 
-    # --- which segment (sequence, or the padding tail) this tile belongs to ---------------------
-    s_idx = tl.arange(0, BLOCK_S)
-    s_ok = s_idx < S
-    starts = tl.load(CU + s_idx, mask=s_ok, other=0).to(tl.int32)
-    ends = tl.load(CU + s_idx + 1, mask=s_ok, other=0).to(tl.int32)
-    tiles = tl.where(s_ok, (ends - starts + BLOCK_T - 1) // BLOCK_T, 0)
-    cum = tl.cumsum(tiles, 0)
-    total_q = tl.load(CU + S).to(tl.int32)
-    total_tiles = tl.sum(tiles, 0)
-    pid = tl.where(pid < total_tiles, total_tiles - 1 - pid, pid)     # longest rows first
-    seq = tl.sum((cum <= pid).to(tl.int32), 0)
-
+    seq, q_start, q_end, tile, pid, total_q, total_tiles = _tile_segment(CU, S, pid, BLOCK_T,
+                                                                         BLOCK_S)
     if seq < S:
-        sel = s_idx == seq
-        q_start = tl.sum(tl.where(sel, starts, 0), 0)
-        q_end = tl.sum(tl.where(sel, ends, 0), 0)
-        tile = pid - tl.sum(tl.where(sel, cum - tiles, 0), 0)
         rows = q_start + tile * BLOCK_T + t_off
         rows = rows.to(tl.int64) if WIDE else rows
         row_ok = (rows < q_end) & h_ok
